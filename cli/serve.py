@@ -271,9 +271,10 @@ def http_url(host: str, port: int) -> str:
 
 
 FILES_RESERVE = 32   # open files beside the connections: the model, logs, imports, the event loop's own
+RAY_FILES_RESERVE = 256   # and under --ray-replicas, the Ray driver's (gRPC channels, core-worker pipes, plasma)
 
 
-def fit_open_files(args, per_connection: int = 1) -> None:
+def fit_open_files(args, per_connection: int = 1, reserve: int = FILES_RESERVE) -> None:
     """Raise the open-files limit to its hard limit (as Go's runtime, hence ollama, does), and cap
     args.max_connections, with one warning naming both numbers, to what still fits: past the limit each new
     connection was reset silently and a request that needed a file (an import) failed, where the cap's 503 +
@@ -286,7 +287,7 @@ def fit_open_files(args, per_connection: int = 1) -> None:
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     except (ImportError, OSError, ValueError):   # not on this platform: nothing to fit to
         return
-    want = args.max_connections * per_connection + FILES_RESERVE
+    want = args.max_connections * per_connection + reserve
     if soft != resource.RLIM_INFINITY and soft < want:
         for target in (hard, want):   # an unlimited hard limit may not be taken as such (Linux's nr_open)
             try:
@@ -297,13 +298,13 @@ def fit_open_files(args, per_connection: int = 1) -> None:
                 continue
     if soft == resource.RLIM_INFINITY or soft >= want:
         return
-    least = FILES_RESERVE + per_connection
+    least = reserve + per_connection
     if soft < least:
         from ..engine.errors import BitNetError
         raise BitNetError(f"the open-files limit (ulimit -n) is {soft}, too low for bitnet serve: it needs at least "
-                          f"{least} ({FILES_RESERVE} for the model, logs and imports, {per_connection} per connection)",
+                          f"{least} ({reserve} for the model, logs and imports, {per_connection} per connection)",
                           hint=f"raise it, e.g. `ulimit -n {want}` for --max-connections {args.max_connections}")
-    fits = (soft - FILES_RESERVE) // per_connection
+    fits = (soft - reserve) // per_connection
     print(f"bitnet serve: warning: --max-connections {args.max_connections} needs about {want} open files, more "
           f"than the limit of {soft} (ulimit -n): taking at most {fits} connection{'s' if fits != 1 else ''} (503 "
           f"beyond); raise ulimit -n to {want} for all of them", file=sys.stderr, flush=True)
@@ -363,7 +364,8 @@ def main(args) -> int:
     if args.models_dir or args.models_cache:
         return serve_models(args, keys)
     if args.ray_replicas:
-        fit_open_files(args, per_connection=2)   # each connection of the front holds one to Ray's proxy too
+        # each connection of the front holds one to Ray's proxy too, and this process is Ray's driver
+        fit_open_files(args, per_connection=2, reserve=FILES_RESERVE + RAY_FILES_RESERVE)
         sock = bind_port(args.host, args.port)   # before Ray's minutes of start-up, not after; the front's
         from ..engine.errors import BitNetError
         try:

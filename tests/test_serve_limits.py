@@ -1289,3 +1289,22 @@ def test_every_apis_stream_cut_by_the_drain_says_so(tmp_path_factory):
     assert events["anthropic"][-1]["type"] == "message_stop"
     assert events["responses"][-1]["type"] == "response.completed"
     assert events["llama-server"][-1]["stop"] is True
+
+
+def test_ray_replicas_keep_descriptors_for_the_ray_driver():
+    """Under --ray-replicas this process is also Ray's driver (gRPC channels, core-worker pipes, plasma): the
+    connection cap fitted to `ulimit -n 400` leaves it RAY_FILES_RESERVE more than the plain reserve (it was
+    sized as if only 32 were taken, and past it accept and Ray's own calls failed with EMFILE)."""
+    import re
+
+    from bitnet_cpu.cli.serve import FILES_RESERVE, RAY_FILES_RESERVE
+    from helpers import slowness
+    proc, _, _ = _serve_at_nofile(400, "--ray-replicas", "1", "-m", "/nonexistent/m.bnstore",
+                                  "--max-connections", "1000")
+    try:
+        _, err = proc.communicate(timeout=120 * slowness())
+    finally:
+        _close([], proc)
+    m = re.search(r"taking at most (\d+) connection", err)
+    assert m, err[-500:]
+    assert int(m.group(1)) == (400 - FILES_RESERVE - RAY_FILES_RESERVE) // 2, err[-500:]
