@@ -348,6 +348,15 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
         return in_family(request, error_response(500, f"internal server error ({type(e).__name__}); see the "
                                                       "server's log", "server_error", code="server_error"))
 
+    from ..engine.errors import ModelChangedError
+
+    @app.exception_handler(ModelChangedError)
+    async def _changed(request, e: ModelChangedError):
+        """The model file found rewritten after the request's own check (the engine's, as it was submitted: a
+        format's compile or the body's tokenizing came between): the server's model_changed, on every route."""
+        bad = changed_error(e)
+        return in_family(request, error_response(bad.status, bad.message, bad.type, code=bad.code))
+
     @app.exception_handler(StarletteHTTPException)
     async def _http(request, e):
         type_ = "not_found_error" if e.status_code == 404 else "invalid_request_error"
@@ -1005,7 +1014,7 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
     async def score_prompt(eng, prompt_ids, top_k, rid, where):
         """The prompt's per-token TokenLogprobs (engine.submit_score: a prefill-only pass of its own), awaited
         on the event loop; cancelled with the request."""
-        from ..engine.errors import QueueFullError
+        from ..engine.errors import ModelChangedError, QueueFullError
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()
 
@@ -1017,6 +1026,8 @@ def create_app(load: Callable[[], Any], *, api_key: str | None = None, model_id:
             metrics.rejected.inc()
             raise APIError(503, str(e), "server_error", code="queue_full",
                            headers={"Retry-After": str(state.retry_after)}) from None
+        except ModelChangedError as e:
+            raise changed_error(e) from None
         try:
             await done
         except BaseException:

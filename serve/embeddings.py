@@ -214,7 +214,7 @@ async def json_answer(build) -> Response:
 async def run_embed(eng, state, request: Request, ids: list[list[int]], metrics=None, normalize: Optional[int] = None):
     """Submit the token lists, wait for their vectors ([n, hidden] float32; pooling none: a list of [tokens,
     hidden]), cancelling if the client goes away (None then). Engine refusals become Refused."""
-    from ..engine.errors import BitNetError, ContextOverflowError, QueueFullError
+    from ..engine.errors import BitNetError, ContextOverflowError, ModelChangedError, QueueFullError
     loop = asyncio.get_running_loop()
     q: asyncio.Queue = asyncio.Queue()
     try:
@@ -225,6 +225,8 @@ async def run_embed(eng, state, request: Request, ids: list[list[int]], metrics=
         raise Refused(503, str(e), None, "queue_full") from None
     except ContextOverflowError as e:
         raise Refused(400, overflow_message(e, "input"), code="context_length_exceeded") from None
+    except ModelChangedError:   # the server's error (500 model_changed, and it stops), not the client's
+        raise
     except BitNetError as e:
         raise Refused(400, str(e)) from None
     state.streams.add(req)   # a drain cancels it with the generations

@@ -486,7 +486,7 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
         return params
 
     def submit(eng, body: _Body, prompt_ids, constraint, loop, params: SamplingParams):
-        from ..engine.errors import BitNetError, ContextOverflowError, QueueFullError
+        from ..engine.errors import BitNetError, ContextOverflowError, ModelChangedError, QueueFullError
         opts = body.options or {}
         n_ctx = eng.n_ctx
         num_ctx = option_int(opts, "num_ctx")
@@ -510,6 +510,8 @@ def register(app, state, ready, api_error: type, *, sampling: SamplingParams | N
         except ContextOverflowError as e:
             raise OllamaError(400, overflow_message(e, "prompt" if isinstance(body, GenerateBody) else "messages")) \
                 from None
+        except ModelChangedError:   # the server's error (500 model_changed, and it stops), not the client's
+            raise
         except BitNetError as e:
             raise OllamaError(400, str(e)) from None
         state.streams.add(stream)

@@ -316,3 +316,79 @@ def test_router_tells_a_stream_cut_by_its_model_file_changing_why(tmp_path):
     msg = errors[-1]["error"]["message"]
     assert "stopped in the middle of this answer" in msg
     assert "changed or was truncated while in use" in msg and str(victim) in msg, msg
+
+
+
+def test_a_file_changed_while_a_chat_waits_for_its_format_is_the_servers_model_changed(stores, tmp_path):
+    # the file changed between the server's own check (as the request began) and the engine's (as it was
+    # submitted, after its format compiled, which waits for a compile slot under load): ollama's routes answered
+    # 400, as if the client were at fault, and the server went on serving the changed file
+    pytest.importorskip("fastapi", reason="bitnet serve needs the serve extra (pip install .[serve])")
+    pytest.importorskip("llguidance", reason="a format needs the grammar engine (pip install .[grammar])")
+    import threading
+    import time
+
+    import uvicorn
+    from serve_proc import free_port, wait_healthy
+
+    from bitnet_cpu.engine.runtime import constraints
+    from bitnet_cpu.serve.app import create_app
+    victim = str(tmp_path / "served.bnstore")
+    shutil.copy(stores[0], victim)
+    stopped = []
+    app = create_app(lambda: load_engine(victim, mmap=True, progress=False, threads=1, parallel=2, ctx=256),
+                     on_load_error=stopped.append)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    got = {}
+    held = 0
+    try:
+        assert wait_healthy(url, 120 * slowness(), poll=0.1)
+        # every compile slot taken (as other requests' schemas take them): this request's compile waits for one
+        for _ in range(constraints.COMPILE_SLOTS):
+            assert constraints._COMPILE_SLOTS.acquire(timeout=60 * slowness())
+            held += 1
+        schema = {"type": "object", "properties": {"hotswap_waits": {"type": "integer"}}}
+        body = {"model": "m", "messages": [{"role": "user", "content": "Once"}], "stream": False,
+                "format": schema, "options": {"num_predict": 2}}
+        asker = threading.Thread(target=lambda: got.update(answer=_get(url + "/api/chat", body)), daemon=True)
+        asker.start()
+        deadline = time.monotonic() + 60 * slowness()
+        while time.monotonic() < deadline and not any(c._jobs for c in list(constraints._COMPILERS.values())):
+            time.sleep(0.02)   # until the request waits for a slot (it passed the server's check)
+        assert any(c._jobs for c in list(constraints._COMPILERS.values()))
+        _copy_over(stores[1], victim)
+    finally:
+        for _ in range(held):
+            constraints._COMPILE_SLOTS.release()
+        if held:
+            asker.join(120 * slowness())
+        server.should_exit = True
+        thread.join(30 * slowness())
+    status, answer = got["answer"]
+    assert status == 500, answer
+    assert "rewritten in place" in answer["error"] and victim in answer["error"], answer
+    assert len(stopped) == 1 and isinstance(stopped[0], ModelChangedError)
+
+
+def test_the_embedding_routes_pass_a_changed_file_on_as_the_servers_error_not_a_400(stores, tmp_path):
+    # run_embed, which every embedding route submits through, made the engine's ModelChangedError a 400 of its
+    # own: the client was told it was at fault and the server went on
+    from bitnet_cpu.serve.embeddings import Refused, run_embed
+    victim = str(tmp_path / "served.bnstore")
+    shutil.copy(stores[0], victim)
+    with load_engine(victim, mmap=True, progress=False, threads=1, parallel=2, ctx=256) as eng:
+        ids = [eng.tokenize("Once upon", add_bos=True)]
+        _copy_over(stores[1], victim)
+        import asyncio
+        try:
+            asyncio.run(run_embed(eng, None, None, ids))
+        except Refused as e:
+            pytest.fail(f"a changed model file answered as the client's fault: {e.status} {e.message}")
+        except ModelChangedError as e:
+            assert "rewritten in place" in str(e)
+        else:
+            pytest.fail("a changed model file was embedded")
