@@ -392,3 +392,19 @@ def test_the_embedding_routes_pass_a_changed_file_on_as_the_servers_error_not_a_
             assert "rewritten in place" in str(e)
         else:
             pytest.fail("a changed model file was embedded")
+
+
+def test_the_docs_say_when_a_default_load_is_safe_from_a_later_change_as_the_loader_decides(stores):
+    # docs/api.md promised that every store over 64 MiB loaded with the default ignores a later change; the default
+    # maps it where the kernel has no transparent huge pages or memory is short, and a user who relied on that
+    # and copied over it got ModelChangedError or exit 2
+    with open(os.path.join(ROOT, "docs", "api.md"), encoding="utf-8") as f:
+        text = f.read()
+    start = text.index("**A model file changed while it is loaded.**")
+    end = text.find("\n\n", start)
+    para = text[start:end if end >= 0 else len(text)]
+    assert "stores over 64 MiB by default) are unaffected" not in para
+    for condition in ("transparent huge pages", "memory available", "load_mode", "mmap=False"):
+        assert condition in para, condition
+    with load_model(stores[0], progress=False, threads=1) as llm:   # where the doc says to look, as it says
+        assert llm.store.load_mode == "mmap"   # a small store: always mapped by default
