@@ -258,15 +258,29 @@ class Child:
             pass
         return None
 
-    def log_tail(self) -> str:
-        """The last line the process wrote that says what went wrong (its one-line error, less its "bitnet serve:
-        error:" prefix, which nested in the router's own line), "" when none does: a warning is no reason (a
-        process killed while loading was said to have failed of the context warning it printed first)."""
+    def log_size(self) -> int:
+        """How much its log holds now (0: none yet): where a request's own part of it starts (log_tail's since)."""
         try:
-            with open(self.log_path, encoding="utf-8", errors="replace") as f:
-                text = f.read()[-8192:]
+            return os.path.getsize(self.log_path)
+        except OSError:
+            return 0
+
+    def log_tail(self, since: int = 0) -> str:
+        """The last line the process wrote (after byte `since` of its log) that says what went wrong (its one-line
+        error, less its "bitnet serve: error:" prefix, which nested in the router's own line), "" when none does: a
+        warning is no reason (a process killed while loading was said to have failed of the context warning it
+        printed first). Only the log's last 8 KiB are read: a long-lived model's log can be large."""
+        try:
+            with open(self.log_path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                start = max(since, size - 8192)
+                f.seek(start)
+                raw = f.read(max(0, size - start))
         except OSError:
             return ""
+        if start > since:   # the window starts mid-line: that line's end is no line of its own
+            raw = raw.partition(b"\n")[2]
+        text = raw.decode("utf-8", errors="replace")
         lines = [ln.strip() for ln in re.split(r"[\r\n]+", text) if ln.strip()]
         errors = [ln for ln in lines if "error" in ln.lower()]
         return re.sub(r"^bitnet(?: serve)?: error: ", "", (errors or [""])[-1])
@@ -1543,6 +1557,7 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
                 return Response(status_code=499)
             if attempt == 0:
                 router.count("requests", spec.name)
+            since = c.log_size()   # what its process writes from here on may be about this request
             headers = [(k, v) for k, v in request.headers.raw if k.lower() not in REQUEST_DROP]
             headers.append((b"authorization", f"Bearer {router.key}".encode()))
             if c.ready_at > asked:   # it waited for its model's load: ollama's load_duration, which the model's
@@ -1587,9 +1602,14 @@ def create_router_app(router: Router, *, api_keys: tuple = (), limits: Limits | 
                         tail = chunk[-2:]
                     yield chunk
             except httpx.HTTPError:   # its process died mid-answer (the reaper sees the exit): say so, then cut
-                # with its reason where it said one as it exited (a model file changed under it: its one line),
-                # which was in the router's log only
-                why = await asyncio.to_thread(c.log_tail) if await exited(c.proc) else ""
+                # with its reason where it said one as it exited (a model file changed under it: its one line,
+                # exit 2), which was in the router's log only; never a line written before this request began
+                # (another request's failure), nor any line when it was killed (it wrote none: how it ended)
+                why = ""
+                if await exited(c.proc):
+                    code = c.proc.returncode
+                    why = await asyncio.to_thread(c.log_tail, since) if code == EXIT_BAD_INPUT else ""
+                    why = why or f"its process {exit_said(code)}"
                 last = cut_answer_event(upstream.headers.get("content-type", ""),
                                         f"model '{spec.name}' stopped in the middle of this answer"
                                         + (f": {why}" if why else ""), tail, path, events)

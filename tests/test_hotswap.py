@@ -408,3 +408,71 @@ def test_the_docs_say_when_a_default_load_is_safe_from_a_later_change_as_the_loa
         assert condition in para, condition
     with load_model(stores[0], progress=False, threads=1) as llm:   # where the doc says to look, as it says
         assert llm.store.load_mode == "mmap"   # a small store: always mapped by default
+
+
+def test_router_never_gives_a_killed_models_cut_stream_another_requests_error_as_its_reason(tmp_path):
+    # the reason was the last line of the model's log with "error" in it, whoever wrote it and whenever: a model
+    # killed (SIGKILL: it writes nothing) after another request had failed told this client that one's error
+    pytest.importorskip("fastapi", reason="bitnet serve needs the serve extra (pip install .[serve])")
+    import signal
+
+    import httpx
+    from serve_proc import Server
+    models = tmp_path / "models"
+    models.mkdir()
+    shutil.copy(os.path.join(ROOT, "models", "default.bnstore"), models / "alpha.bnstore")
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    s = Server("--models-dir", str(models), "-c", "2048", threads=1, env={"TMPDIR": str(tmp)})
+    lines = []
+    try:
+        status, _ = _get(s.url + "/v1/completions", {"model": "alpha", "prompt": "Once", "max_tokens": 2})
+        assert status == 200
+        logs = [p for d in tmp.iterdir() if d.name.startswith("bitnet-router-") for p in d.glob("*alpha*.log")]
+        assert len(logs) == 1
+        with open(logs[0], "a") as f:   # what the model's process wrote of another client's failed request
+            f.write("bitnet engine: sequence 12 failed in decode (ConstraintError: another client's error text)\n")
+        with open(f"/proc/{s.proc.pid}/task/{s.proc.pid}/children") as f:
+            kids = [int(x) for x in f.read().split()]
+        assert len(kids) == 1
+        body = {"model": "alpha", "stream": True, "prompt": "Once", "max_tokens": 100_000, "ignore_eos": True}
+        with contextlib.suppress(httpx.HTTPError):
+            with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=120 * slowness()) as r:
+                for line in r.iter_lines():
+                    lines.append(line)
+                    if len(lines) == 6:
+                        os.kill(kids[0], signal.SIGKILL)   # as the out-of-memory killer ends it
+                    if len(lines) > 100_000:
+                        break
+    finally:
+        s.stop()
+    errors = [json.loads(ln[len("data: "):]) for ln in lines if ln.startswith("data: {\"error\"")]
+    assert errors, lines[-3:]
+    msg = errors[-1]["error"]["message"]
+    assert "stopped in the middle of this answer" in msg
+    assert "another client" not in msg and "sequence 12" not in msg, msg
+    assert "killed by signal 9" in msg, msg
+
+
+def test_a_models_log_tail_reads_only_what_came_after_a_point_and_only_its_end(tmp_path):
+    # a cut stream's reason is one line written since its request began; a long-lived model's log was read whole
+    pytest.importorskip("fastapi", reason="bitnet serve needs the serve extra (pip install .[serve])")
+    import asyncio
+
+    from bitnet_cpu.serve.router import Child
+    log = tmp_path / "1-alpha.log"
+    log.write_text("bitnet engine: sequence 3 failed (ConstraintError: an earlier request's)\n")
+    since = log.stat().st_size
+    child = asyncio.run(_child(Child, str(log)))
+    assert child.log_tail(since) == ""
+    assert "earlier request" in child.log_tail()
+    with open(log, "a") as f:
+        f.write("x" * 20_000 + " error in a long line\n" + "bitnet serve: error: FILE: changed while in use\n")
+    assert child.log_tail(since) == "FILE: changed while in use"
+    with open(log, "a") as f:
+        f.write("a" * 5000 + " error cut by the window's start\n" + "y" * 8000 + "\n")
+    assert child.log_tail(since) == ""   # the window starts inside the line that said "error": no half line
+
+
+async def _child(cls, log_path):
+    return cls(None, None, 0, log_path)
