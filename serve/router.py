@@ -301,10 +301,71 @@ def exit_said(code: int | None) -> str:
 LOGDIR_PREFIX = "bitnet-router-"
 
 
+def _process_start(pid: int) -> str | None:
+    """When process `pid` started (field 22 of /proc/PID/stat, in clock ticks since boot), None where unknown."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rpartition(b")")[2].split()[19].decode()
+    except (OSError, IndexError, UnicodeDecodeError):
+        return None
+
+
+def _pid_namespace() -> str | None:
+    """This process's PID namespace (its inode), None where unknown."""
+    try:
+        return str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        return None
+
+
+def _boot_time() -> float | None:
+    """When the machine booted (seconds since the epoch), None where unknown."""
+    try:
+        with open("/proc/stat") as f:
+            for line in f:
+                if line.startswith("btime "):
+                    return float(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def router_stamp() -> str:
+    """What a router writes to its directory's pid file: its pid, its start time and its PID namespace ("-" where
+    unknown), so that a later router removes that directory only once this process is surely gone."""
+    pid = os.getpid()
+    return f"{pid} {_process_start(pid) or '-'} {_pid_namespace() or '-'}\n"
+
+
+def _router_gone(stamp: str, written: float) -> bool:
+    """Whether the router that wrote `stamp` (router_stamp's) to a file last modified at `written` has surely ended:
+    the file predates the machine's boot, or the router ran in this PID namespace and its pid is gone or now a
+    process that started at another time. A router in another PID namespace (a container sharing /tmp), or one
+    whose stamp says less (an older version's, only a pid), is never taken for dead while the machine is up."""
+    boot = _boot_time()
+    if boot is not None and written < boot - 1:
+        return True
+    parts = stamp.split()
+    if len(parts) != 3 or not parts[0].isdigit():
+        return False
+    pid, start, ns = int(parts[0]), parts[1], parts[2]
+    if pid <= 0 or pid == os.getpid() or ns == "-" or ns != _pid_namespace():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:   # alive (another user's pid now: EPERM)
+        pass
+    now = _process_start(pid)
+    return start != "-" and now is not None and now != start   # the pid taken since by another process
+
+
 def remove_dead_routers_dirs():
     """The temporary directories (key file, logs) of this user's routers that ended without removing them (a fatal
-    fault, SIGKILL): each names its router's pid; one whose process is gone is removed. Directories of routers
-    still running, of other users, or of unknown owners are left."""
+    fault, SIGKILL): each names its router (router_stamp); one whose router is surely gone (_router_gone) is
+    removed. Directories of routers still running, of other users, of unknown owners, or of routers in another PID
+    namespace are left."""
     base = tempfile.gettempdir()
     try:
         names = [n for n in os.listdir(base) if n.startswith(LOGDIR_PREFIX)]
@@ -316,17 +377,12 @@ def remove_dead_routers_dirs():
             if os.lstat(d).st_uid != os.getuid():
                 continue
             with open(os.path.join(d, "pid")) as f:
-                pid = int(f.read().strip())
+                written = os.fstat(f.fileno()).st_mtime
+                stamp = f.read(200)
         except (OSError, ValueError):
             continue
-        if pid <= 0 or pid == os.getpid():
-            continue
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+        if _router_gone(stamp, written):
             shutil.rmtree(d, ignore_errors=True)
-        except OSError:   # alive (another user's pid now: EPERM)
-            pass
 
 
 class Router:
@@ -375,7 +431,7 @@ class Router:
         remove_dead_routers_dirs()
         self.logdir = tempfile.mkdtemp(prefix=LOGDIR_PREFIX)   # 0700: the key file and each process's log
         with open(os.path.join(self.logdir, "pid"), "w") as f:   # whose it is: remove_dead_routers_dirs
-            f.write(f"{os.getpid()}\n")
+            f.write(router_stamp())
         self.key_file = os.path.join(self.logdir, "key")
         fd = os.open(self.key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:

@@ -249,13 +249,15 @@ def test_a_router_removes_what_a_router_that_died_left_in_the_temp_dir(tmp_path)
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    from bitnet_cpu.serve.router import router_stamp
+    ns = os.stat("/proc/self/ns/pid").st_ino   # a router of this PID namespace, whose pid is gone
     left = tmp / "bitnet-router-left"
     left.mkdir()
-    (left / "pid").write_text(dead.stdout)
+    (left / "pid").write_text(f"{dead.stdout.strip()} - {ns}\n")
     (left / "key").write_text("secret\n")
     other = tmp / "bitnet-router-live"   # a router still running (this test's own process stands for it)
     other.mkdir()
-    (other / "pid").write_text(f"{os.getpid()}\n")
+    (other / "pid").write_text(router_stamp())
     models = tmp_path / "models"
     models.mkdir()
     shutil.copy(os.path.join(ROOT, "models", "default.bnstore"), models / "a.bnstore")
@@ -264,7 +266,7 @@ def test_a_router_removes_what_a_router_that_died_left_in_the_temp_dir(tmp_path)
         assert not left.exists()
         assert other.exists()
         mine = [p for p in tmp.iterdir() if p.name.startswith("bitnet-router-") and p not in (other,)]
-        assert len(mine) == 1 and (mine[0] / "pid").read_text().strip() == str(s.proc.pid)
+        assert len(mine) == 1 and (mine[0] / "pid").read_text().split()[0] == str(s.proc.pid)
     finally:
         s.stop()
     assert not mine[0].exists()
@@ -476,3 +478,38 @@ def test_a_models_log_tail_reads_only_what_came_after_a_point_and_only_its_end(t
 
 async def _child(cls, log_path):
     return cls(None, None, 0, log_path)
+
+
+def test_a_router_never_removes_a_dir_whose_router_may_live_in_another_pid_namespace(tmp_path, monkeypatch):
+    # containers that share /tmp but not their PID namespace see each other's dirs and not each other's pids: a
+    # router took another container's live router for dead and removed its key file and logs
+    pytest.importorskip("fastapi", reason="bitnet serve needs the serve extra (pip install .[serve])")
+    import tempfile
+
+    from bitnet_cpu.serve.router import remove_dead_routers_dirs, router_stamp
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    ns = os.stat("/proc/self/ns/pid").st_ino
+    with open("/proc/stat") as f:
+        boot = next(float(ln.split()[1]) for ln in f if ln.startswith("btime "))
+
+    def router_dir(name, stamp, mtime=None):
+        d = tmp_path / f"bitnet-router-{name}"
+        d.mkdir()
+        (d / "pid").write_text(stamp)
+        (d / "key").write_text("secret\n")
+        if mtime is not None:
+            os.utime(d / "pid", (mtime, mtime))
+        return d
+    elsewhere = router_dir("elsewhere", f"{dead} 12345 {ns + 1}\n")      # its pid is not ours to see
+    older = router_dir("older", f"{dead}\n")                            # an older router's (a pid only)
+    before_boot = router_dir("before-boot", f"{dead} 1 {ns + 1}\n", mtime=boot - 3600)
+    gone = router_dir("gone", f"{dead} - {ns}\n")                       # this namespace, the pid gone
+    with open(f"/proc/{os.getppid()}/stat", "rb") as f:
+        started = int(f.read().rpartition(b")")[2].split()[19])
+    reused = router_dir("reused", f"{os.getppid()} {started + 1} {ns}\n")   # its pid now another process's
+    live = router_dir("live", router_stamp())                              # this process stands for a live one
+    remove_dead_routers_dirs()
+    assert elsewhere.exists() and older.exists() and live.exists()
+    assert not before_boot.exists() and not gone.exists() and not reused.exists()
