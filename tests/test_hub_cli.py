@@ -175,6 +175,17 @@ def test_a_file_part_that_is_no_file_of_the_repository_is_one_line(hub, tmp_path
             (args, r.stderr)
 
 
+@pytest.mark.parametrize("ref", ["o/tiny@..", "o/tiny@a/../b", "o/tiny@/main", "o/tiny:i2_s@.."])
+def test_a_revision_that_is_no_revision_is_one_line(hub, tmp_path, ref):
+    """A REVISION of '..' had huggingface_hub open refs/.. (a folder): its IsADirectoryError reached the user as
+    "internal error ... a bug in bitnet-cpu" (exit 70): one line naming the revision, exit 2, for run and pull."""
+    for args in (("run", "-m", ref, "-p", "x"), ("pull", ref)):
+        r = bitnet(*args, env=env_for(hub, tmp_path))
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1 and "the revision" in lines[0] and "bug" not in lines[0], \
+            (args, r.stderr)
+
+
 def test_list_inspect_and_rm(hub, tmp_path):
     env = env_for(hub, tmp_path)
     r = bitnet("list", env=env)

@@ -70,6 +70,26 @@ def _check_file(what: str, file: str | None) -> None:
                           hint="name a file as the repository lists it, e.g. REPO:model.gguf or REPO:i2_s")
 
 
+def revision_problem(rev: str | None) -> str | None:
+    """Why REVISION of REPO@REVISION cannot name a branch, tag or commit (None: it can): a leading `/`, a
+    backslash, a `.` or `..` segment. huggingface_hub opens refs/REVISION in its cache: `..` was that folder's
+    parent, an IsADirectoryError that read as a bug here."""
+    if not rev:
+        return None
+    if rev.startswith("/") or "\\" in rev:
+        return "an absolute or backslash path"
+    if any(part in (".", "..") for part in rev.split("/")):
+        return "a '.' or '..' segment"
+    return None
+
+
+def _check_revision(what: str, rev: str | None) -> None:
+    why = revision_problem(rev)
+    if why:
+        raise BitNetError(f"{what}: the revision {rev!r} is {why}, not a branch, tag or commit",
+                          hint="name a revision as the repository has it, e.g. REPO@main, REPO@v1.0 or a commit hash")
+
+
 # ---- quant tags: REPO:TAG names the GGUF file of that quantization, as ollama's hf.co/OWNER/REPO:TAG does ----
 _SHARD = re.compile(r"-\d{5}-of-\d{5}$")
 
@@ -266,6 +286,7 @@ def resolve_hub_ref(ref: str, what: str | None = None) -> tuple[str, str]:
         raise BitNetError(f"{what}: not a Hugging Face hub id (REPO[:FILE|:TAG][@REVISION])")
     repo, file, rev = parsed
     _check_file(what, file)
+    _check_revision(what, rev)
     try:
         from huggingface_hub import hf_hub_download, snapshot_download
         from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
@@ -566,6 +587,7 @@ def _pull(ref: str, progress: Callable[[dict], None] | None) -> str:
         raise BitNetError(f"pull {ref}: not a Hugging Face hub id", hint="e.g. bitnet pull microsoft/bitnet-b1.58-2B-4T")
     repo, file, rev = parsed
     _check_file(f"pull {ref}", file)
+    _check_revision(f"pull {ref}", rev)
     from huggingface_hub import HfApi, constants, hf_hub_download, snapshot_download
     from huggingface_hub.errors import (EntryNotFoundError, GatedRepoError, HfHubHTTPError, HFValidationError,
                                         LocalEntryNotFoundError, OfflineModeIsEnabled, RepositoryNotFoundError,
