@@ -89,6 +89,12 @@ def unlink_on_fault(path: str) -> int:
     return _fg.add_cleanup(os.path.abspath(path)) if _fg is not None else -1
 
 
+def forget_cleanup(slot: int) -> None:
+    """Give back a slot unlink_on_fault returned (the file is gone or kept now: a fault leaves it be)."""
+    if slot >= 0 and _fg is not None:
+        _fg.remove_cleanup(slot)
+
+
 def set_note(text: str) -> None:
     """Text appended to the fatal line, e.g. "; the conversation is saved in X"."""
     if _fg is not None:

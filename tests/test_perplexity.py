@@ -811,20 +811,54 @@ def test_a_base_logits_file_the_disk_refuses_is_one_line_and_no_partial_file(tmp
 
 def test_the_base_logits_never_write_through_a_name_made_before(tmp_path):
     """PATH.partial was opened by name, following a link: in a folder others may write, a link made there first
-    (to a file of the user's) was truncated and written over. The partial file is now a fresh name of its own."""
+    (to a file of the user's) was truncated and written over. A link, a FIFO or a hard link there is refused in
+    one line now, and what it points at is left as it was."""
     from bitnet_cpu.engine.runtime.perplexity import LogitsWriter
     victim = tmp_path / "victim.txt"
     victim.write_text("keep me")
     path = str(tmp_path / "base.kld")
     os.symlink(victim, path + ".partial")
+    with pytest.raises(BitNetError, match="not a plain file of yours") as e:
+        LogitsWriter(path, 4, 1000, list(range(8)))
+    assert "\n" not in str(e.value)
+    assert victim.read_text() == "keep me" and os.path.islink(path + ".partial") and not os.path.exists(path)
+    os.unlink(path + ".partial")
+    os.link(victim, path + ".partial")   # a hard link: the same file under the name
+    with pytest.raises(BitNetError, match="not a plain file of yours"):
+        LogitsWriter(path, 4, 1000, list(range(8)))
+    assert victim.read_text() == "keep me"
+    os.unlink(path + ".partial")
+    os.mkfifo(path + ".partial")   # opening it for writing would wait for a reader for ever
+    with pytest.raises(BitNetError, match="not a plain file of yours"):
+        LogitsWriter(path, 4, 1000, list(range(8)))
+    os.unlink(path + ".partial")
     w = LogitsWriter(path, 4, 1000, list(range(8)))
     w.add(np.zeros((4, 1000), np.float32))
     w.add(np.zeros((4, 1000), np.float32))
     w.commit()
-    assert victim.read_text() == "keep me" and os.path.islink(path + ".partial")
     with open(path, "rb") as f:
         assert f.read(8) == b"_logits_"
     assert oct(os.stat(path).st_mode & 0o777) == oct(0o666 & ~_umask_now())   # as open() would make it
+
+
+def test_a_killed_runs_partial_base_logits_are_written_over_not_piled_up(tmp_path):
+    """Each run wrote a fresh PATH.XXXX.partial: every run killed (SIGKILL, the out-of-memory killer, the fault
+    guard's exit) left one of its own for good, each as large as the base logits (gigabytes)."""
+    from bitnet_cpu.engine.runtime.perplexity import LogitsReader, LogitsWriter, scored_rows
+    path = str(tmp_path / "base.kld")
+    with open(path + ".partial", "wb") as f:   # what a killed run left: its header and part of its rows
+        f.write(b"_logits_" + b"\0" * 50_000)
+    w = LogitsWriter(path, 8, 1000, list(range(16)))
+    w.add(np.zeros((scored_rows(8), 1000), np.float32))
+    w.add(np.zeros((scored_rows(8), 1000), np.float32))
+    w.commit()
+    assert sorted(os.listdir(tmp_path)) == ["base.kld"]
+    r = LogitsReader(path)   # whole: nothing of the old leftover in it
+    assert r.n_chunk == 2 and list(r.tokens) == list(range(16))
+    r.close()
+    w = LogitsWriter(path, 4, 1000, list(range(8)))
+    w.abort()
+    assert sorted(os.listdir(tmp_path)) == ["base.kld"]
 
 
 def _umask_now() -> int:

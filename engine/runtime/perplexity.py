@@ -23,16 +23,17 @@ percentiles, Δp of the scored token, "same top p") follow llama.cpp's kl_diverg
 """
 from __future__ import annotations
 
+import errno
 import math
 import os
+import stat
 import struct
-import tempfile
 from typing import Iterator, Sequence
 
 import numpy as np
 
+from .. import faults
 from ..errors import BitNetError
-from ..fileio import current_umask
 from .sampling import token_logprob
 
 MAGIC = b"_logits_"
@@ -194,20 +195,52 @@ def expand_rows(rows: np.ndarray, vocab: int) -> np.ndarray:
 
 
 class LogitsWriter:
-    """Writes a base-logits file: to PATH.XXXX.partial, renamed over PATH by commit() once every chunk is in, so an
-    interrupted run never leaves a half file (nor replaces a whole one)."""
+    """Writes a base-logits file: to PATH.partial, renamed over PATH by commit() once every chunk is in, so an
+    interrupted run never leaves a half file (nor replaces a whole one). One fixed name: what a killed run left
+    there is written over by the next run, never piled up beside it. It is opened without following a link, and a
+    PATH.partial that is not a plain file of this user's alone (a link or a FIFO another user made first in a
+    shared folder, a hard link to some other file) is refused, never written through. A fatal fault (the fault
+    guard's exit) removes it."""
 
     def __init__(self, path: str, n_ctx: int, vocab: int, tokens: Sequence[int]):
         self.path = path
+        self.tmp = path + ".partial"
         n_chunk = len(tokens) // n_ctx
-        try:   # a fresh name of its own (O_EXCL), never a PATH.partial another user made first, or a link there
-            fd, self.tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".partial",
-                                            dir=os.path.dirname(path) or ".")
-            self.f = os.fdopen(fd, "wb")
-            os.chmod(self.tmp, 0o666 & ~current_umask())   # as open() would make it (mkstemp's is 0600)
+        self.f, self._slot = None, -1
+        try:
+            fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o666)
         except OSError as e:
+            if e.errno in (errno.ELOOP, errno.ENXIO):   # a link there, or a FIFO with no reader
+                raise BitNetError(f"cannot write {path}: {self.tmp} is there and is not a plain file of yours; "
+                                  "remove it or choose another file") from None
             raise BitNetError(f"cannot write {path}: {e.strerror or e}") from None
+        try:
+            st = os.fstat(fd)
+        except OSError as e:
+            os.close(fd)
+            raise BitNetError(f"cannot write {path}: {e.strerror or e}") from None
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_nlink != 1:
+            os.close(fd)   # not ours to truncate, nor to remove
+            raise BitNetError(f"cannot write {path}: {self.tmp} is there and is not a plain file of yours; "
+                              "remove it or choose another file")
+        try:
+            os.set_blocking(fd, True)
+            os.ftruncate(fd, 0)   # what a killed run left
+            self.f = os.fdopen(fd, "wb")
+        except OSError as e:
+            os.close(fd)
+            self._unlink()
+            raise BitNetError(f"cannot write {path}: {e.strerror or e}") from None
+        self._slot = faults.unlink_on_fault(self.tmp)
         self._write(HEADER.pack(MAGIC, n_ctx, vocab, n_chunk) + np.asarray(tokens[: n_chunk * n_ctx], "<i4").tobytes())
+
+    def _unlink(self):
+        faults.forget_cleanup(self._slot)
+        self._slot = -1
+        try:
+            os.unlink(self.tmp)
+        except OSError:
+            pass
 
     def _write(self, data: bytes):
         """A write the disk refuses (full): the partial file removed, one line naming the file (it was an OSError
@@ -228,16 +261,15 @@ class LogitsWriter:
         except OSError as e:
             self.abort()
             raise BitNetError(f"cannot write {self.path}: {e.strerror or e}") from None
+        faults.forget_cleanup(self._slot)   # the name is the finished file's now: a fault leaves it
+        self._slot = -1
 
     def abort(self):
         try:   # closing flushes: a full disk fails it, and the partial file must go all the same
             self.f.close()
         except OSError:
             pass
-        try:
-            os.unlink(self.tmp)
-        except OSError:
-            pass
+        self._unlink()
 
 
 class LogitsReader:
