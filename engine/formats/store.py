@@ -164,7 +164,7 @@ def write_store(
             f.write(raw)
             f.seek(0)
             f.write(_HEADER.pack(MAGIC, STORE_VERSION, 0, index_offset, len(raw), data_offset, hashlib.sha256(raw).digest()))
-        os.chmod(tmp, 0o666 & ~current_umask())   # as open() would make it (mkstemp's is 0600: no one else could read it)
+        os.chmod(tmp, 0o666 & ~current_umask())   # as open() would make it (mkstemp's 0600: only its owner reads)
         os.replace(tmp, path)
     except BaseException:
         try:
