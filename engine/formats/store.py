@@ -61,6 +61,7 @@ MEMORY_HEADROOM = 512 << 20    # ... when this much memory would still be left
 STALE_TMP_S = 3600             # a .bnstore-* temporary untouched this long was left by a killed writer
 
 _writing: set[str] = set()     # this process's stores being written (their temporary files)
+_writing_dirs: set[str] = set()   # where this process made them (named .bnstore-PID-*), recorded before each is made
 _writing_lock = threading.Lock()
 
 
@@ -70,11 +71,23 @@ def _remove_unfinished():
     not wait for (`bitnet serve` loads its model in one; a SIGTERM drains the server and exits) was left as a
     hidden partial store of hundreds of MB."""
     with _writing_lock:
-        for tmp in list(_writing):
+        mine = [os.path.join(d, n) for d in _writing_dirs for n in _listing(d) if n.startswith(_tmp_prefix())]
+        for tmp in {*_writing, *mine}:   # also one made just before a signal, not yet in _writing
             try:
                 os.unlink(tmp)
             except OSError:
                 pass
+
+
+def _tmp_prefix() -> str:
+    return f".bnstore-{os.getpid()}-"
+
+
+def _listing(d: str) -> list:
+    try:
+        return os.listdir(d)
+    except OSError:
+        return []
 
 
 def _remove_stale(d: str):
@@ -120,7 +133,9 @@ def write_store(
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)
     _remove_stale(d)
-    fd, tmp = tempfile.mkstemp(prefix=".bnstore-", dir=d)
+    with _writing_lock:   # the directory first: a signal right after mkstemp still finds the file at exit
+        _writing_dirs.add(d)
+    fd, tmp = tempfile.mkstemp(prefix=_tmp_prefix(), dir=d)
     with _writing_lock:
         _writing.add(tmp)
     index: dict[str, Any] = {
