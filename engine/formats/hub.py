@@ -51,42 +51,16 @@ def parse_hub_ref(ref: str) -> tuple[str, str | None, str | None] | None:
     return m.group("repo"), file, m.group("rev")
 
 
-def file_problem(file: str | None) -> str | None:
-    """Why FILE of REPO:FILE cannot name a file of a repository (None: it can): an absolute, drive or UNC path, a
-    backslash, a `..` segment. huggingface_hub refuses these too, but with a ValueError that read as a bug here."""
-    if not file:
-        return None
-    if file.startswith("/") or "\\" in file or re.match(r"[A-Za-z]:", file):
-        return "an absolute, drive or backslash path"
-    if ".." in file.split("/"):
-        return "a '..' segment"
-    return None
-
-
-def _check_file(what: str, file: str | None) -> None:
-    why = file_problem(file)
-    if why:
-        raise BitNetError(f"{what}: the file part {file!r} is {why}, not a file of the repository",
+def _check_parts(what: str, file: str | None, rev: str | None) -> None:
+    """FILE of REPO:FILE and REVISION of REPO@REVISION that name no file, branch, tag or commit, refused in one
+    line: an absolute, drive, UNC or backslash path, a `..` segment (a `.` one too in a revision). huggingface_hub
+    refuses them as well, but with a ValueError (FILE) or an IsADirectoryError (refs/.. of its cache) that read as
+    a bug here."""
+    if file and (file.startswith("/") or "\\" in file or re.match(r"[A-Za-z]:", file) or ".." in file.split("/")):
+        raise BitNetError(f"{what}: the file part {file!r} is a path, not a file of the repository",
                           hint="name a file as the repository lists it, e.g. REPO:model.gguf or REPO:i2_s")
-
-
-def revision_problem(rev: str | None) -> str | None:
-    """Why REVISION of REPO@REVISION cannot name a branch, tag or commit (None: it can): a leading `/`, a
-    backslash, a `.` or `..` segment. huggingface_hub opens refs/REVISION in its cache: `..` was that folder's
-    parent, an IsADirectoryError that read as a bug here."""
-    if not rev:
-        return None
-    if rev.startswith("/") or "\\" in rev:
-        return "an absolute or backslash path"
-    if any(part in (".", "..") for part in rev.split("/")):
-        return "a '.' or '..' segment"
-    return None
-
-
-def _check_revision(what: str, rev: str | None) -> None:
-    why = revision_problem(rev)
-    if why:
-        raise BitNetError(f"{what}: the revision {rev!r} is {why}, not a branch, tag or commit",
+    if rev and (rev.startswith("/") or "\\" in rev or any(p in (".", "..") for p in rev.split("/"))):
+        raise BitNetError(f"{what}: the revision {rev!r} is a path, not a branch, tag or commit",
                           hint="name a revision as the repository has it, e.g. REPO@main, REPO@v1.0 or a commit hash")
 
 
@@ -285,8 +259,7 @@ def resolve_hub_ref(ref: str, what: str | None = None) -> tuple[str, str]:
     if parsed is None:
         raise BitNetError(f"{what}: not a Hugging Face hub id (REPO[:FILE|:TAG][@REVISION])")
     repo, file, rev = parsed
-    _check_file(what, file)
-    _check_revision(what, rev)
+    _check_parts(what, file, rev)
     try:
         from huggingface_hub import hf_hub_download, snapshot_download
         from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
@@ -586,8 +559,7 @@ def _pull(ref: str, progress: Callable[[dict], None] | None) -> str:
     if parsed is None:
         raise BitNetError(f"pull {ref}: not a Hugging Face hub id", hint="e.g. bitnet pull microsoft/bitnet-b1.58-2B-4T")
     repo, file, rev = parsed
-    _check_file(f"pull {ref}", file)
-    _check_revision(f"pull {ref}", rev)
+    _check_parts(f"pull {ref}", file, rev)
     from huggingface_hub import HfApi, constants, hf_hub_download, snapshot_download
     from huggingface_hub.errors import (EntryNotFoundError, GatedRepoError, HfHubHTTPError, HFValidationError,
                                         LocalEntryNotFoundError, OfflineModeIsEnabled, RepositoryNotFoundError,
