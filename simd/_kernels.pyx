@@ -37,6 +37,8 @@ cdef extern from "kernels.h" nogil:
     void bk_init()
     void bk_set_gemv_prefetch(int nbytes)
     int bk_get_gemv_prefetch()
+    void bk_set_gemv_one_block(int on)
+    int bk_get_gemv_one_block()
     int BK_GEMV_PREFETCH_DEFAULT, BK_GEMV_PREFETCH_DEFAULT_256, BK_GEMV_PREFETCH_MAX
     void bk_pool_stats(uint64_t *jobs, uint64_t *worker_chunks, uint64_t *caller_sleeps)
     void bk_quantize_act(const float *x, int m, int k, int k_pad, int8_t *xq, float *act_scale, int32_t *act_sum)
@@ -272,6 +274,19 @@ def set_gemv_prefetch(nbytes):
 def gemv_prefetch():
     """The prefetch distance in force, in bytes (0: none)."""
     return bk_get_gemv_prefetch()
+
+
+def set_gemv_one_block(on):
+    """The AVX-512 tile16 GEMV's loop: one 64-byte block per step (True; the default on Intel cores) or two
+    (False; the default elsewhere); None: the CPU's default (simd/kernels/kernels.h). Results never change."""
+    if on is not None and not isinstance(on, bool):
+        raise KernelError(f"set_gemv_one_block takes True, False or None, got {on!r}")
+    bk_set_gemv_one_block(-1 if on is None else int(on))
+
+
+def gemv_one_block():
+    """Whether the AVX-512 tile16 GEMV reads one block per loop step (set_gemv_one_block)."""
+    return bool(bk_get_gemv_one_block())
 
 
 GEMV_PREFETCH_DEFAULT = BK_GEMV_PREFETCH_DEFAULT

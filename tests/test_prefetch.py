@@ -95,6 +95,63 @@ def test_ternary_gemv_and_rows_at_a_guard_page(isa, n, k):
     assert np.array_equal(run_at_every_distance(rows)[0].view(np.int32), ref.view(np.int32))
 
 
+@pytest.mark.parametrize("one_block", [False, True])
+@pytest.mark.parametrize("n,k", [(16, 64), (48, 2560), (37, 6912)])
+def test_ternary_gemv_either_loop_at_a_guard_page(isa, one_block, n, k):
+    """The AVX-512 tile16 GEMV's two loops (simd.set_gemv_one_block: one block per step on Intel, two elsewhere)
+    give the exact dots and the same f32 bits as the other loop, whichever one this CPU runs by default."""
+    rng = np.random.default_rng(3 * n + k)
+    wt = rng.integers(-1, 2, (n, k)).astype(np.int8)
+    w = at_guard(layout.pack_ternary(wt))
+    rs = rng.random(layout.pad_to(n, 16)).astype(np.float32)
+    xq, s, sm = quantized(rng, 1, k)
+    exact = (xq[:, :k].astype(np.int64) @ wt.astype(np.int64).T)[0]
+
+    def one():
+        out = np.empty(n, np.float32)
+        K.gemv_ternary(w, rs, xq[0], float(s[0]), int(sm[0]), out)
+        return out
+
+    def raw():
+        out = np.empty(n, np.int32)
+        K.gemv_ternary_i32(w, xq[0], int(sm[0]), out)
+        return out
+
+    try:
+        K.set_gemv_one_block(not one_block)
+        other = one().copy()
+        K.set_gemv_one_block(one_block)
+        assert K.gemv_one_block() is one_block
+        assert np.array_equal(run_at_every_distance(raw), exact)
+        assert np.array_equal(run_at_every_distance(one).view(np.int32), other.view(np.int32))
+    finally:
+        K.set_gemv_one_block(None)
+
+
+def _cpu_vendor():
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("vendor_id")), None)
+    except OSError:
+        return None
+
+
+def test_set_gemv_one_block_checks_its_argument_and_defaults_to_intel():
+    before = K.gemv_one_block()
+    for bad in (1, 0, "yes", None.__class__):
+        with pytest.raises(KernelError):
+            K.set_gemv_one_block(bad)
+    assert K.gemv_one_block() == before
+    K.set_gemv_one_block(not before)
+    K.set_isa(None)
+    assert K.gemv_one_block() == (not before)   # an explicit choice outlives a change of path
+    K.set_gemv_one_block(None)
+    vendor = _cpu_vendor()
+    if vendor is None:
+        pytest.skip("no vendor_id in /proc/cpuinfo (not x86 Linux)")
+    assert K.gemv_one_block() == (vendor == "GenuineIntel")
+
+
 @pytest.mark.parametrize("n,k", [(16, 80), (37, 2560)])
 def test_base3_gemv_at_a_guard_page(isa, n, k):
     rng = np.random.default_rng(n * k)

@@ -61,10 +61,15 @@ static uint64_t read_xcr0(void) {
 }
 #endif
 
+/* cpuid's vendor string is GenuineIntel (a tuning choice, not a feature: bk_set_gemv_one_block) */
+static int cpu_intel;
+
 static void detect(void) {
     memset(&features, 0, sizeof features);
 #ifdef BK_X86
     unsigned a, b, c, d;
+    if (__get_cpuid(0, &a, &b, &c, &d)) /* "Genu" "ineI" "ntel" in ebx, edx, ecx */
+        cpu_intel = b == 0x756e6547u && d == 0x49656e69u && c == 0x6c65746eu;
     if (!__get_cpuid(1, &a, &b, &c, &d)) return;
     int osxsave = (c >> 27) & 1;
     features.sse41 = (c >> 19) & 1;
@@ -232,12 +237,25 @@ void bk_set_gemv_prefetch(int nbytes) {
     bk_table.gemv_prefetch = gemv_prefetch_for(current_isa);
 }
 int bk_get_gemv_prefetch(void) { return bk_table.gemv_prefetch; }
+/* the loop asked for (< 0: none asked, one block per step on Intel cores: kernels.h) */
+static int gemv_one_block_asked = -1;
+static int gemv_one_block_for(void) {
+    if (gemv_one_block_asked >= 0) return gemv_one_block_asked;
+    bk_get_features();
+    return cpu_intel;
+}
+void bk_set_gemv_one_block(int on) {
+    gemv_one_block_asked = on < 0 ? -1 : on ? 1 : 0;
+    bk_table.gemv_one_block = gemv_one_block_for();
+}
+int bk_get_gemv_one_block(void) { return bk_table.gemv_one_block; }
 
 static void apply(int isa, int mode) {
     bk_fill_table(&bk_table, isa);
     bk_table.gemm_ternary_vector = bk_table.gemm_ternary;
     bk_table.tiles_mode = mode;
     bk_table.gemv_prefetch = gemv_prefetch_for(isa);
+    bk_table.gemv_one_block = gemv_one_block_for();
     bk_table.tile_min_rows = tile_min_rows > 0 ? tile_min_rows : (mode == BK_TILES_AMX ? BK_TILE_MIN_ROWS_AMX : 1);
     if (bk_gemm_ternary_tile_bodies[mode]) bk_table.gemm_ternary = bk_gemm_ternary_tile_bodies[mode];
     current_isa = isa;

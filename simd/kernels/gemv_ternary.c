@@ -68,13 +68,45 @@ AVX512_TARGET static inline __m512i combine_scaled_avx512(__m512i c0, __m512i c1
                             _mm512_add_epi32(_mm512_srai_epi32(c2, 4), _mm512_srai_epi32(c3, 6)));
 }
 
+/* Intel's loop (bk_table.gemv_one_block, kernels.h): one block per step, 4 accumulators, one load and one
+ * prefetch a step; otherwise the same tile order, products and epilogue as the two-block loop below. */
+AVX512_TARGET static void gemv_ternary_avx512_one_block(const uint8_t *w, const float *row_scale,
+                                                        const int8_t *xq, int k_pad, float act_scale,
+                                                        int32_t act_sum, float *out, int32_t *out_i32, int n,
+                                                        int tile_begin, int tile_end) {
+    const int kb = k_pad / 16;
+    const size_t tile_bytes = (size_t)kb * 64;
+    const __m512i m0 = _mm512_set1_epi8(0x03), m1 = _mm512_set1_epi8(0x0c), m2 = _mm512_set1_epi8(0x30),
+                  m3 = _mm512_set1_epi8((char)0xc0);
+    const size_t pf = (size_t)bk_table.gemv_prefetch;
+    for (int t = tile_begin; t < tile_end; t++) {
+        const uint8_t *p = w + (size_t)t * tile_bytes;
+        __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
+        for (int b = 0; b < kb; b++) {
+            const int8_t *xb = xq + 16 * b;
+            bk_prefetch_ahead(p + (size_t)b * 64, pf);
+            __m512i x0 = _mm512_set1_epi32(load_i32(xb)), x1 = _mm512_set1_epi32(load_i32(xb + 4));
+            __m512i x2 = _mm512_set1_epi32(load_i32(xb + 8)), x3 = _mm512_set1_epi32(load_i32(xb + 12));
+            TERNARY_STEP_AVX512(a0, a1, a2, a3, p + (size_t)b * 64);
+        }
+        finish_tile_avx512(combine_scaled_avx512(a0, a1, a2, a3), act_sum, t * 16, n, row_scale, act_scale, out,
+                           out_i32);
+    }
+}
+
 /* One tile at a time, two blocks per iteration (8 accumulators), so the weights are read as a single
  * sequential stream: interleaving 4 tiles (4 streams 10 KB apart, more accumulator chains) read DRAM at
  * 17 GB/s on one Zen 4 core where this reads 26 GB/s (the hardware prefetchers follow one stream best).
- * Plus a software prefetch of every line bk_table.gemv_prefetch bytes ahead (kernels.h: +14% on Zen 5). */
+ * Plus a software prefetch of every line bk_table.gemv_prefetch bytes ahead (kernels.h: +14% on Zen 5).
+ * Intel cores take the one-block loop above (bk_table.gemv_one_block). */
 AVX512_TARGET static void gemv_ternary_avx512(const uint8_t *w, const float *row_scale, const int8_t *xq,
                                                   int k_pad, float act_scale, int32_t act_sum, float *out,
                                                   int32_t *out_i32, int n, int tile_begin, int tile_end) {
+    if (bk_table.gemv_one_block) {
+        gemv_ternary_avx512_one_block(w, row_scale, xq, k_pad, act_scale, act_sum, out, out_i32, n, tile_begin,
+                                      tile_end);
+        return;
+    }
     const int kb = k_pad / 16;
     const size_t tile_bytes = (size_t)kb * 64;
     const __m512i m0 = _mm512_set1_epi8(0x03), m1 = _mm512_set1_epi8(0x0c), m2 = _mm512_set1_epi8(0x30),

@@ -78,6 +78,8 @@ typedef struct {
     int tile_overlap; /* ternary tile GEMM: the next pair unpacked beside the first row pair's tdpbssd (tiles.h) */
     /* software prefetch distance of the AVX-512 GEMV bodies, bytes ahead of the block being read (0: none) */
     int gemv_prefetch;
+    /* the AVX-512 tile16 GEMV reads one 64-byte block per loop step instead of two (BK_GEMV_ONE_BLOCK) */
+    int gemv_one_block;
 } bk_table_t;
 
 /* The default of bk_table.gemv_prefetch, the software prefetch distance of the x86 GEMV bodies (AVX-512: tile16,
@@ -93,12 +95,20 @@ typedef struct {
  * at 2 threads of an 80 GB/s rate; AVX-VNNI 81% vs 79% (one thread). */
 #define BK_GEMV_PREFETCH_DEFAULT_256 8192
 #define BK_GEMV_PREFETCH_MAX (1 << 20)
+/* The AVX-512 tile16 GEMV's loop on Intel cores: one 64-byte block per step (4 accumulators) instead of two
+ * (8 accumulators, the loop Zen was tuned on, kept there). On a 2-core Intel Xeon with AMX, 13824 x 2560 out of
+ * cache, 2 threads, the two-block loop read ~73% of a plain read of the same bytes and the one-block loop ~100%
+ * (per-call samples in one run); from L2 the one-block loop is slower (40 vs 48 GB/s a core: its 4 vpdpbusd
+ * chains), which decode never is. Default: on where cpuid's vendor is GenuineIntel (dispatch.c);
+ * simd.set_gemv_one_block switches it (None: that default). Results are the same bits either way. */
 
 extern bk_table_t bk_table;
 
 /* dispatch.c */
 void bk_set_gemv_prefetch(int nbytes); /* 0 .. BK_GEMV_PREFETCH_MAX bytes; 0: none; < 0: the path's default */
 int bk_get_gemv_prefetch(void);
+void bk_set_gemv_one_block(int on); /* 0 / 1; < 0: the CPU's default (BK_GEMV_ONE_BLOCK note above) */
+int bk_get_gemv_one_block(void);
 const bk_features_t *bk_get_features(void);
 int bk_isa_supported(int isa);
 int bk_set_isa(int isa);            /* 0 ok, -1 the CPU cannot run it */
