@@ -650,7 +650,7 @@ static inline kv_blocks shift_blocks(kv_blocks bl, int p0, const char **base, si
 
 /* A prefill item's passes of 16 rows of one head over piece `tile` (already converted into bw) on the matrix tiles:
  * bf16 opt-in with att_bf16_tiles. The same softmax, pieces and fold as the 4-row passes of attention_items. */
-static void prefill_tile_passes(const att_job *J, const att_kernels *K, void *bw, att_seg S, int h0, int tile,
+static void prefill_tile_passes(const att_job *J, void *bw, att_seg S, int h0, int tile,
                                 int64_t wso) {
     const int hd = J->head_dim, sw = hd + 2;
     float *sc = att_bf16_score_rows(bw, hd), *ot = att_bf16_temp_rows(bw, hd);
@@ -675,10 +675,9 @@ static void prefill_tile_passes(const att_job *J, const att_kernels *K, void *bw
                 live[j] = end > p0 ? end - p0 : 0;
                 nk_max = live[j] > nk_max ? live[j] : nk_max;
             }
-            att_bf16_scores16(bw, qs, R, nk_max, hd, J->scale);
+            att_bf16_scores16(bw, qs, R, live, nk_max, hd, J->scale, mxs);
             float *rows[16];
             for (int j = 0; j < 16; j++) rows[j] = sc + (size_t)j * PIECE;
-            for (int j = 0; j < R; j++) mxs[j] = K->row_max(rows[j], live[j]);
             att_bf16_softmax(bw, hd, rows, 16, R, live, mxs, sums);
             for (int j = 0; j < R; j++) {
                 invs[j] = live[j] ? 1.0f / sums[j] : 0.0f;
@@ -757,7 +756,7 @@ static void attention_items(void *ctx, int item_begin, int item_end) {
             const kv_blocks kbl = shift_blocks(bl0, p0, &kb, esize), vbl = shift_blocks(bl0, p0, &vb, esize);
             att_bf16_piece(bw, kb, kbl, vb, vbl, kv_f16, p1 - p0, head_dim);
             if (J->tiles16 && m >= 16) { /* 16 rows a pass on the tiles */
-                prefill_tile_passes(J, &K, bw, S, h0, tile, wso);
+                prefill_tile_passes(J, bw, S, h0, tile, wso);
                 continue;
             }
         }

@@ -416,7 +416,60 @@ void att_bf16_tiles_end(void) {
     TL_REL(hw);
 }
 
-void att_bf16_scores16(void *ws, const float *const *q, int R, int n, int hd, float scale) {
+/* the softmax scale on score rows j < R (as the f32 bodies apply it after the dot) and each row's max over its live
+ * positions, not NaN (-inf if none), in one pass; the tile passes' epilogue (the C tiles' rows times inv[j]): on
+ * AVX-512 where the bf16 bodies run there, else in scalar C, the same products */
+#if defined(__x86_64__)
+BF16_FN static void scale_max16_avx512(const bf16_ws *w, int R, const int *live, int n, float scale, float *mx) {
+    const __m512 vs = _mm512_set1_ps(scale);
+    for (int j = 0; j < R; j++) {
+        float *s = w->sc + (size_t)j * PIECE;
+        __m512 m = _mm512_set1_ps(-INFINITY); /* vmaxps(x, m) keeps m where x is NaN */
+        for (int t = 0; t < n; t += 16) {
+            const int valid = n - t, lv = live[j] - t;
+            const __mmask16 k = valid >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << valid) - 1);
+            const __mmask16 kl = lv >= 16 ? (__mmask16)0xffff : lv <= 0 ? 0 : (__mmask16)((1u << lv) - 1);
+            const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + t), vs);
+            _mm512_mask_storeu_ps(s + t, k, x);
+            m = _mm512_mask_max_ps(m, kl, x, m);
+        }
+        mx[j] = _mm512_reduce_max_ps(m);
+    }
+}
+BF16_FN static void scale_rows16_avx512(const float *ct, int R, const float *inv, float *const *out, int col) {
+    for (int j = 0; j < R; j++)
+        _mm512_storeu_ps(out[j] + col, _mm512_mul_ps(_mm512_loadu_ps(ct + 16 * j), _mm512_set1_ps(inv[j])));
+}
+#endif
+static void scale_max16(const bf16_ws *w, int R, const int *live, int n, float scale, float *mx) {
+#if defined(__x86_64__)
+    if (att_bf16_vector()) {
+        scale_max16_avx512(w, R, live, n, scale, mx);
+        return;
+    }
+#endif
+    for (int j = 0; j < R; j++) {
+        float *s = w->sc + (size_t)j * PIECE, m = -INFINITY;
+        for (int t = 0; t < n; t++) {
+            s[t] *= scale;
+            if (t < live[j] && s[t] > m) m = s[t];
+        }
+        mx[j] = m;
+    }
+}
+static void scale_rows16(const float *ct, int R, const float *inv, float *const *out, int col) {
+#if defined(__x86_64__)
+    if (att_bf16_vector()) {
+        scale_rows16_avx512(ct, R, inv, out, col);
+        return;
+    }
+#endif
+    for (int j = 0; j < R; j++)
+        for (int l = 0; l < 16; l++) out[j][col + l] = ct[16 * j + l] * inv[j];
+}
+
+void att_bf16_scores16(void *ws, const float *const *q, int R, const int *live, int n, int hd, float scale,
+                       float *mx) {
     const bf16_ws w = ws_parts(ws, hd);
     const int hw = tiles_hw();
     int cnt[16];
@@ -448,8 +501,7 @@ void att_bf16_scores16(void *ws, const float *const *q, int R, int n, int hd, fl
         TL_STORE(hw, 2, c + 32, ls);
         TL_STORE(hw, 3, c + 48, ls);
     }
-    for (int j = 0; j < R; j++) /* the softmax scale, as the f32 bodies apply it after the dot */
-        for (int t = 0; t < n; t++) w.sc[(size_t)j * PIECE + t] *= scale;
+    scale_max16(&w, R, live, n, scale, mx);
 }
 
 void att_bf16_wsum16(void *ws, int R, const int *live, int hd, const float *inv, float *const *out) {
@@ -490,8 +542,7 @@ void att_bf16_wsum16(void *ws, int R, const int *live, int hd, const float *inv,
             case 2: TL_STORE(hw, 2, w.ct, 64); break;
             default: TL_STORE(hw, 3, w.ct, 64); break;
             }
-            for (int j = 0; j < R; j++)
-                for (int l = 0; l < 16; l++) out[j][16 * (c0 + v) + l] = w.ct[16 * j + l] * inv[j];
+            scale_rows16(w.ct, R, inv, out, 16 * (c0 + v));
         }
     }
 }

@@ -46,8 +46,10 @@ void att_bf16_tiles_end(void);
 /* the workspace's 16 score rows (ATT_BF16_PIECE floats apart) and 16 fold temporaries (hd floats apart) */
 float *att_bf16_score_rows(void *ws, int hd);
 float *att_bf16_temp_rows(void *ws, int hd);
-/* score row j (j < 16) = scale * bf16(q[j]) . k over the piece's first n positions; rows past R: zero queries */
-void att_bf16_scores16(void *ws, const float *const *q, int R, int n, int hd, float scale);
+/* score row j (j < 16) = scale * bf16(q[j]) . k over the piece's first n positions; rows past R: zero queries;
+ * mx[j] (j < R): the largest of row j's first live[j] scores that is not NaN (-inf if none) */
+void att_bf16_scores16(void *ws, const float *const *q, int R, const int *live, int n, int hd, float scale,
+                       float *mx);
 /* out[j][c] = inv[j] * sum_t w_j[t] * v[t][c], j < R <= 16, t < live[j], w_j: weight row j (att_bf16_softmax) */
 void att_bf16_wsum16(void *ws, int R, const int *live, int hd, const float *inv, float *const *out);
 
