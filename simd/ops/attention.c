@@ -669,6 +669,12 @@ static void prefill_tile_passes(const att_job *J, void *bw, att_seg S, int h0, i
             }
             const int n_max = ns[R - 1], np_all = n_pieces(n_max, hd);
             if (tile >= np_all) continue; /* these rows end before this piece */
+            { /* the next pass's query rows (16 rows of the head, a line per 16 floats) while this one computes */
+                const int nr0 = r0 + 16 < S.m ? r0 + 16 : 0, nh = r0 + 16 < S.m ? h : h + 1;
+                for (int j = 0; j < 16 && nh < h0 + J->sub && nr0 + j < S.m; j++)
+                    for (int l = 0; l < hd; l += 16)
+                        __builtin_prefetch(J->qkv + (int64_t)(S.row0 + nr0 + j) * J->row_stride + nh * hd + l, 0, 3);
+            }
             const int p0 = tile * PIECE, p1 = np_all == 1 ? n_max : (p0 + PIECE < n_max ? p0 + PIECE : n_max);
             for (int j = 0; j < R; j++) {
                 const int end = ns[j] < p1 ? ns[j] : p1;
@@ -678,7 +684,7 @@ static void prefill_tile_passes(const att_job *J, void *bw, att_seg S, int h0, i
             att_bf16_scores16(bw, qs, R, live, nk_max, hd, J->scale, mxs);
             float *rows[16];
             for (int j = 0; j < 16; j++) rows[j] = sc + (size_t)j * PIECE;
-            att_bf16_softmax(bw, hd, rows, 16, R, live, mxs, sums);
+            att_bf16_softmax(bw, hd, rows, J->scale, 16, R, live, mxs, sums);
             for (int j = 0; j < R; j++) {
                 invs[j] = live[j] ? 1.0f / sums[j] : 0.0f;
                 po[j] = live[j] && n_pieces(ns[j], hd) == 1 ? os[j] : ot + (size_t)j * hd;
@@ -808,7 +814,7 @@ static void attention_items(void *ctx, int item_begin, int item_end) {
                 else
                     K.scores(qs, R, kb, kbl, kv_f16, nk_max, head_dim, J->scale, ss);
                 if (bf) /* exp(s - max) straight into bf16 weight rows, and their sums */
-                    att_bf16_softmax(bw, head_dim, ss, MAXQ, R, live, mxs, sums);
+                    att_bf16_softmax(bw, head_dim, ss, 1.0f, MAXQ, R, live, mxs, sums);
                 for (int j = 0; j < R; j++) {
                     float *sc = ss[j];
                     const int n = live[j];

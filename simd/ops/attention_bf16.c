@@ -47,7 +47,7 @@ static bf16_ws ws_parts(void *ws, int hd) {
 }
 size_t att_bf16_ws_bytes(int hd) {
     return sizeof(uint16_t) * ((size_t)2 * PIECE * hd + (size_t)16 * hd + (size_t)16 * PIECE) +
-           sizeof(float) * ((size_t)16 * PIECE + (size_t)16 * hd + 256);
+           sizeof(float) * ((size_t)16 * PIECE + (size_t)16 * hd + 1024);
 }
 float *att_bf16_score_rows(void *ws, int hd) { return ws_parts(ws, hd).sc; }
 float *att_bf16_temp_rows(void *ws, int hd) { return ws_parts(ws, hd).ot; }
@@ -201,8 +201,9 @@ BF16_FN static inline __m512 exp_bf16_avx512(__m512 x) {
 
 /* softmax's exp for the weighted sum: row j's e = exp(s - mx[j]) over its live[j] positions -> bf16 weight row
  * j (zeros after, up to n_pad), sum[j] their f32 sum; rows past R: zeros */
-BF16_FN static void softmax_avx512(const bf16_ws *w, float *const *s, int nr, int R, const int *live, const float *mx,
-                                   float *sum, int n_pad) {
+BF16_FN static void softmax_avx512(const bf16_ws *w, float *const *s, float scale, int nr, int R, const int *live,
+                                   const float *mx, float *sum, int n_pad) {
+    const __m512 vs = _mm512_set1_ps(scale);
     for (int j = 0; j < nr; j++) {
         const int n = j < R ? live[j] : 0;
         const __m512 m = _mm512_set1_ps(j < R ? mx[j] : 0.0f);
@@ -210,8 +211,8 @@ BF16_FN static void softmax_avx512(const bf16_ws *w, float *const *s, int nr, in
         for (int t = 0; t < n_pad; t += 16) {
             const int valid = n - t;
             const __mmask16 k = valid >= 16 ? (__mmask16)0xffff : valid <= 0 ? 0 : (__mmask16)((1u << valid) - 1);
-            const __m512 e = k ? _mm512_maskz_mov_ps(k, exp_bf16_avx512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s[j] + t), m)))
-                               : _mm512_setzero_ps();
+            const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, s[j] + t), vs);
+            const __m512 e = k ? _mm512_maskz_mov_ps(k, exp_bf16_avx512(_mm512_sub_ps(x, m))) : _mm512_setzero_ps();
             acc = _mm512_add_ps(acc, e);
             const int room = n_pad - t;
             const __mmask16 st = room >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << room) - 1);
@@ -319,13 +320,13 @@ static float exp_bf16_scalar(float x) {
     return ldexpf(p, (int)n);
 }
 
-static void softmax_scalar(const bf16_ws *w, float *const *s, int nr, int R, const int *live, const float *mx,
-                           float *sum, int n_pad) {
+static void softmax_scalar(const bf16_ws *w, float *const *s, float scale, int nr, int R, const int *live,
+                           const float *mx, float *sum, int n_pad) {
     for (int j = 0; j < nr; j++) {
         const int n = j < R ? live[j] : 0;
         float acc = 0.0f;
         for (int t = 0; t < n_pad; t++) {
-            const float e = t < n ? exp_bf16_scalar(s[j][t] - mx[j]) : 0.0f;
+            const float e = t < n ? exp_bf16_scalar(s[j][t] * scale - mx[j]) : 0.0f;
             acc += e;
             w->pb[(size_t)j * PIECE + t] = bf16_of(e);
         }
@@ -333,18 +334,19 @@ static void softmax_scalar(const bf16_ws *w, float *const *s, int nr, int R, con
     }
 }
 
-void att_bf16_softmax(void *ws, int hd, float *const *s, int nr, int R, const int *live, const float *mx, float *sum) {
+void att_bf16_softmax(void *ws, int hd, float *const *s, float scale, int nr, int R, const int *live, const float *mx,
+                      float *sum) {
     const bf16_ws w = ws_parts(ws, hd);
     int n = 0;
     for (int j = 0; j < R; j++) n = live[j] > n ? live[j] : n;
     const int n_pad = (n + 31) / 32 * 32; /* whole 32-position steps of the tile passes (>= the vector ones' pairs) */
 #if defined(__x86_64__)
     if (att_bf16_vector()) {
-        softmax_avx512(&w, s, nr, R, live, mx, sum, n_pad);
+        softmax_avx512(&w, s, scale, nr, R, live, mx, sum, n_pad);
         return;
     }
 #endif
-    softmax_scalar(&w, s, nr, R, live, mx, sum, n_pad);
+    softmax_scalar(&w, s, scale, nr, R, live, mx, sum, n_pad);
 }
 
 void att_bf16_wsum(void *ws, int R, const int *live, int hd, const float *inv, float *const *out) {
@@ -416,56 +418,54 @@ void att_bf16_tiles_end(void) {
     TL_REL(hw);
 }
 
-/* the softmax scale on score rows j < R (as the f32 bodies apply it after the dot) and each row's max over its live
- * positions, not NaN (-inf if none), in one pass; the tile passes' epilogue (the C tiles' rows times inv[j]): on
- * AVX-512 where the bf16 bodies run there, else in scalar C, the same products */
+/* each score row's max over its live positions, not NaN (-inf if none), times the softmax scale: the max of the
+ * scaled scores (rounding is monotonic and the scale positive), which att_bf16_softmax scales as it reads them; and
+ * the tile passes' epilogue (the C tiles' rows times inv[j]). On AVX-512 where the bf16 bodies run there, else in
+ * scalar C: the same floats. */
 #if defined(__x86_64__)
-BF16_FN static void scale_max16_avx512(const bf16_ws *w, int R, const int *live, int n, float scale, float *mx) {
-    const __m512 vs = _mm512_set1_ps(scale);
+BF16_FN static void max16_avx512(const bf16_ws *w, int R, const int *live, float scale, float *mx) {
     for (int j = 0; j < R; j++) {
-        float *s = w->sc + (size_t)j * PIECE;
+        const float *s = w->sc + (size_t)j * PIECE;
         __m512 m = _mm512_set1_ps(-INFINITY); /* vmaxps(x, m) keeps m where x is NaN */
-        for (int t = 0; t < n; t += 16) {
-            const int valid = n - t, lv = live[j] - t;
-            const __mmask16 k = valid >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << valid) - 1);
-            const __mmask16 kl = lv >= 16 ? (__mmask16)0xffff : lv <= 0 ? 0 : (__mmask16)((1u << lv) - 1);
-            const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + t), vs);
-            _mm512_mask_storeu_ps(s + t, k, x);
-            m = _mm512_mask_max_ps(m, kl, x, m);
+        for (int t = 0; t < live[j]; t += 16) {
+            const int lv = live[j] - t;
+            const __mmask16 kl = lv >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << lv) - 1);
+            m = _mm512_mask_max_ps(m, kl, _mm512_maskz_loadu_ps(kl, s + t), m);
         }
-        mx[j] = _mm512_reduce_max_ps(m);
+        mx[j] = _mm512_reduce_max_ps(m) * scale;
     }
 }
-BF16_FN static void scale_rows16_avx512(const float *ct, int R, const float *inv, float *const *out, int col) {
+BF16_FN static void scale_rows16_avx512(const float *ct, int R, int nv, const float *inv, float *const *out, int col) {
     for (int j = 0; j < R; j++)
-        _mm512_storeu_ps(out[j] + col, _mm512_mul_ps(_mm512_loadu_ps(ct + 16 * j), _mm512_set1_ps(inv[j])));
+        for (int v = 0; v < nv; v++)
+            _mm512_storeu_ps(out[j] + col + 16 * v,
+                             _mm512_mul_ps(_mm512_loadu_ps(ct + 64 * j + 16 * v), _mm512_set1_ps(inv[j])));
 }
 #endif
-static void scale_max16(const bf16_ws *w, int R, const int *live, int n, float scale, float *mx) {
+static void max16(const bf16_ws *w, int R, const int *live, float scale, float *mx) {
 #if defined(__x86_64__)
     if (att_bf16_vector()) {
-        scale_max16_avx512(w, R, live, n, scale, mx);
+        max16_avx512(w, R, live, scale, mx);
         return;
     }
 #endif
     for (int j = 0; j < R; j++) {
-        float *s = w->sc + (size_t)j * PIECE, m = -INFINITY;
-        for (int t = 0; t < n; t++) {
-            s[t] *= scale;
-            if (t < live[j] && s[t] > m) m = s[t];
-        }
-        mx[j] = m;
+        const float *s = w->sc + (size_t)j * PIECE;
+        float m = -INFINITY;
+        for (int t = 0; t < live[j]; t++) m = s[t] > m ? s[t] : m;
+        mx[j] = m * scale;
     }
 }
-static void scale_rows16(const float *ct, int R, const float *inv, float *const *out, int col) {
+/* ct: C tiles 0 .. nv - 1 side by side (rows 64 floats apart) -> out[j][col ..] times inv[j] */
+static void scale_rows16(const float *ct, int R, int nv, const float *inv, float *const *out, int col) {
 #if defined(__x86_64__)
     if (att_bf16_vector()) {
-        scale_rows16_avx512(ct, R, inv, out, col);
+        scale_rows16_avx512(ct, R, nv, inv, out, col);
         return;
     }
 #endif
     for (int j = 0; j < R; j++)
-        for (int l = 0; l < 16; l++) out[j][col + l] = ct[16 * j + l] * inv[j];
+        for (int l = 0; l < 16 * nv; l++) out[j][col + l] = ct[64 * j + l] * inv[j];
 }
 
 void att_bf16_scores16(void *ws, const float *const *q, int R, const int *live, int n, int hd, float scale,
@@ -501,7 +501,7 @@ void att_bf16_scores16(void *ws, const float *const *q, int R, const int *live, 
         TL_STORE(hw, 2, c + 32, ls);
         TL_STORE(hw, 3, c + 48, ls);
     }
-    scale_max16(&w, R, live, n, scale, mx);
+    max16(&w, R, live, scale, mx);
 }
 
 void att_bf16_wsum16(void *ws, int R, const int *live, int hd, const float *inv, float *const *out) {
@@ -535,14 +535,11 @@ void att_bf16_wsum16(void *ws, int R, const int *live, int hd, const float *inv,
                 TL_DP(hw, 3, 4, 5);
             }
         }
-        for (int v = 0; v < nv; v++) {
-            switch (v) { /* C tile v -> ct, then each row times its 1/sum */
-            case 0: TL_STORE(hw, 0, w.ct, 64); break;
-            case 1: TL_STORE(hw, 1, w.ct, 64); break;
-            case 2: TL_STORE(hw, 2, w.ct, 64); break;
-            default: TL_STORE(hw, 3, w.ct, 64); break;
-            }
-            scale_rows16(w.ct, R, inv, out, 16 * (c0 + v));
-        }
+        /* the C tiles side by side in ct, then each row times its 1/sum */
+        TL_STORE(hw, 0, w.ct, 256);
+        if (nv > 1) TL_STORE(hw, 1, w.ct + 16, 256);
+        if (nv > 2) TL_STORE(hw, 2, w.ct + 32, 256);
+        if (nv > 3) TL_STORE(hw, 3, w.ct + 48, 256);
+        scale_rows16(w.ct, R, nv, inv, out, 16 * c0);
     }
 }

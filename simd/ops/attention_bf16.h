@@ -29,11 +29,13 @@ void att_bf16_piece(void *ws, const void *kb, kv_blocks kbl, const void *vb, kv_
  * of at least n (resp. hd) floats whatever R is: the vector bodies fill rows past R too */
 void att_bf16_scores(void *ws, const float *const *q, int R, const int *live, int n, int hd, float scale,
                      float *const *sc, float *mx);
-/* softmax's exp for the weighted sums: e = exp(s[j][t] - mx[j]) for t < live[j], j < R, into the workspace's bf16
+/* softmax's exp for the weighted sums: e = exp(s[j][t] * scale - mx[j]) for t < live[j], j < R (scale 1: rows
+ * already scaled; the product is then exact), into the workspace's bf16
  * weight rows (nr of them: 4 for the vector passes, 16 for the tile passes; rows past R and positions past live[j]
  * zero), sum[j] = the f32 sum of row j's e. Its exp is a degree-3 polynomial (relative error at most 1.1e-4, under
  * bf16's rounding), the same floats on every path; not the f32 attention's exp (attn_common.h), which costs more. */
-void att_bf16_softmax(void *ws, int hd, float *const *s, int nr, int R, const int *live, const float *mx, float *sum);
+void att_bf16_softmax(void *ws, int hd, float *const *s, float scale, int nr, int R, const int *live, const float *mx,
+                      float *sum);
 /* out[j][c] = inv[j] * sum_t w_j[t] * v[t][c], j < R <= 4, t < live[j], w_j: weight row j (att_bf16_softmax) */
 void att_bf16_wsum(void *ws, int R, const int *live, int hd, const float *inv, float *const *out);
 
@@ -46,8 +48,9 @@ void att_bf16_tiles_end(void);
 /* the workspace's 16 score rows (ATT_BF16_PIECE floats apart) and 16 fold temporaries (hd floats apart) */
 float *att_bf16_score_rows(void *ws, int hd);
 float *att_bf16_temp_rows(void *ws, int hd);
-/* score row j (j < 16) = scale * bf16(q[j]) . k over the piece's first n positions; rows past R: zero queries;
- * mx[j] (j < R): the largest of row j's first live[j] scores that is not NaN (-inf if none) */
+/* score row j (j < 16) = bf16(q[j]) . k over the piece's first n positions, unscaled (att_bf16_softmax takes the
+ * scale); rows past R: zero queries; mx[j] (j < R): the largest of row j's first live[j] scores times scale that is
+ * not NaN (-inf if none) */
 void att_bf16_scores16(void *ws, const float *const *q, int R, const int *live, int n, int hd, float scale,
                        float *mx);
 /* out[j][c] = inv[j] * sum_t w_j[t] * v[t][c], j < R <= 16, t < live[j], w_j: weight row j (att_bf16_softmax) */
