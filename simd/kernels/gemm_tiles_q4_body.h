@@ -124,6 +124,20 @@ static void q4_tiles_finish(const tiles_args *g, const int32_t *cbuf, int row0, 
 static void q4_tiles_step(const tiles_steps *u, int i, int8_t *d0, int8_t *d1) {
     q4_tiles_unpack(u->src[0] + (size_t)512 * i, u->src[1] + (size_t)32 * i, 2, d0, d1);
 }
+/* The streamed body's ring with the epilogue of the tile before beside it: step fin of this tile's unpack also
+ * runs that tile's q4_tiles_finish (its C block stored by tilestored before this block began), so the epilogue's
+ * divisions and its stores to out overlap this tile's tdpbssd instead of running between two blocks. */
+typedef struct {
+    tiles_steps s; /* first: the ring's step gets &s */
+    const tiles_args *g;
+    const int32_t *cbuf; /* the tile before's C block (NULL: none) */
+    int na, t, fin;
+} q4_ring_fin;
+static void q4_tiles_step_fin(const tiles_steps *u, int i, int8_t *d0, int8_t *d1) {
+    const q4_ring_fin *f = (const q4_ring_fin *)u;
+    q4_tiles_step(u, i, d0, d1);
+    if (i == f->fin && f->cbuf) q4_tiles_finish(f->g, f->cbuf, 0, f->na, f->t);
+}
 #endif /* BITNET_GEMM_TILES_Q4_ONCE */
 
 /* ---- per implementation (TB_FN and tiles_block: gemm_tiles_body.h, included just before) ---- */
@@ -133,15 +147,16 @@ static void q4_tiles_step(const tiles_steps *u, int i, int8_t *d0, int8_t *d1) {
  * zero-padded tail copy). With tile_overlap, a range's first tile is unpacked before its row groups and every
  * later one beside the first row-group pair of the tile before it, into a second W_lo | W_hi (the two swap).
  * With tile_stream at M <= 32 (one row-group pair), each tile is unpacked one 64-k step at a time into the ring
- * beside its multiply instead (tiles_stream): W_lo | W_hi never leave L1. 0 when the thread's scratch could not
- * be had (the caller then runs the vector body). */
+ * beside its multiply instead (tiles_stream): W_lo | W_hi never leave L1, and its epilogue runs beside the
+ * next tile's multiply (q4_ring_fin). 0 when the thread's scratch could not be had (the caller then runs the
+ * vector body). */
 static int TB_FN(gemm_q4g_tiles)(const tiles_args *g, const uint8_t *codes, const uint8_t *gscale, int tile_begin,
                                    int tile_end) {
     const int groups = g->k_pad / 32, kc = g->k_pad / 64, full = g->m / 16, rgroups = (g->m + 15) / 16;
     const int stream = bk_table.tile_stream && g->m <= 32, overlap = bk_table.tile_overlap && !stream;
     const size_t utile = (size_t)16 * g->k_pad, stride = (size_t)g->k_pad;
     const size_t wbytes = stream ? TILES_RING_BYTES : (size_t)(overlap ? 4 : 2) * utile; /* W_lo | W_hi (ring) */
-    uint8_t *s = tiles_scratch(utile + wbytes + 32 * 32 * 4);
+    uint8_t *s = tiles_scratch(utile + wbytes + 2 * 32 * 32 * 4);
     if (!s) return 0;
     int8_t *a_tail = (int8_t *)s, *w = (int8_t *)s + utile, *w_next = overlap ? w + 2 * utile : NULL;
     int32_t *cbuf = (int32_t *)(s + utile + wbytes);
@@ -155,11 +170,14 @@ static int TB_FN(gemm_q4g_tiles)(const tiles_args *g, const uint8_t *codes, cons
         /* the tile two ahead: 2 groups of codes (512 bytes) and of scales (32) per 64-k step */
         const tiles_ahead ah = {{codes + (size_t)(t + 2) * cbytes, gscale + (size_t)(t + 2) * sbytes}, {512, 32}};
         const tiles_ahead *next = bk_table.tile_warm && t + 2 < tile_end ? &ah : NULL;
-        if (stream) {
-            const tiles_steps ring = {q4_tiles_step, NULL, {codes + (size_t)t * cbytes, gscale + (size_t)t * sbytes},
-                                      {NULL, NULL}, 2};
-            TB_FN(tiles_stream)(g, &ring, 2, a_tail, w, cbuf, next);
-            q4_tiles_finish(g, cbuf, 0, rgroups, t);
+        if (stream) { /* C of tile t in cbuf half t & 1; tile t - 1's epilogue beside step 3 (q4_ring_fin) */
+            int32_t *cb = cbuf + (size_t)(t & 1) * 32 * 32;
+            const int32_t *before = t > tile_begin ? cbuf + (size_t)((t - 1) & 1) * 32 * 32 : NULL;
+            const q4_ring_fin ring = {
+                {q4_tiles_step_fin, NULL, {codes + (size_t)t * cbytes, gscale + (size_t)t * sbytes}, {NULL, NULL}, 2},
+                g, before, rgroups, t - 1, kc - 1 < 3 ? kc - 1 : 3};
+            TB_FN(tiles_stream)(g, &ring.s, 2, a_tail, w, cb, next);
+            if (t + 1 == tile_end) q4_tiles_finish(g, cb, 0, rgroups, t);
             continue;
         }
         const tiles_steps un = {q4_tiles_step, NULL,
