@@ -727,19 +727,25 @@ static void attention_items(void *ctx, int item_begin, int item_end) {
         att_pf pf, *pfp = NULL;
         const int warm = pf_next_item; /* the item before requested this one's lines */
         pf_next_item = 0;
-        if (m == 1 && K.item_pf && kv_f16 && sub == MAXQ && item + 1 < item_end) {
+        const int pf_q8 = J->q8 && J->Q.pf_spos; /* the int8 kernels step it too */
+        if (m == 1 && ((K.item_pf && kv_f16 && sub == MAXQ) || pf_q8) && item + 1 < item_end) {
             const att_item N = J->items[item + 1];
             const att_seg S2 = J->segs[N.seg];
             if (S2.m == 1) {
                 /* this item's steps (scores4: a step per dimension and W positions; wsum4: a step per position
-                 * and W columns) carry the next item's 2 x nb blocks of head_dim lines */
+                 * and W columns; the int8 kernels: per pf_spos positions and 4 dimensions, per block and
+                 * pf_wcols columns) carry the next item's 2 x nb blocks of `lines` lines */
                 const int here = piece_len(S.pos0 + 1, I.piece, head_dim), W = K.item_pf;
-                const int steps = (here + W - 1) / W * head_dim + (head_dim + W - 1) / W * here;
+                const int wc = J->Q.pf_wcols, sp = J->Q.pf_spos;
+                const int steps = J->q8 ? (here + sp - 1) / sp * (head_dim / 4) + (here + KT_BLOCK - 1) / KT_BLOCK
+                                                                                       * ((head_dim + wc - 1) / wc)
+                                        : (here + W - 1) / W * head_dim + (head_dim + W - 1) / W * here;
                 const int nb = (piece_len(S2.pos0 + 1, N.piece, head_dim) + KT_BLOCK - 1) / KT_BLOCK;
+                const int lines = J->q8 ? Q8_LINES(head_dim) : head_dim;
                 pf = (att_pf){(const char *)J->k_cache + (size_t)(N.it / n_sub) * k_head * esize,
                               (const char *)J->v_cache + (size_t)(N.it / n_sub) * v_head * esize,
-                              {S2.pages, stride}, (int64_t)esize, N.piece * PIECE / KT_BLOCK, nb, head_dim,
-                              (2 * nb * head_dim + steps - 1) / (steps > 0 ? steps : 1), 0, 0, NULL};
+                              {S2.pages, stride}, (int64_t)esize, N.piece * PIECE / KT_BLOCK, nb, lines,
+                              (2 * nb * lines + steps - 1) / (steps > 0 ? steps : 1), 0, 0, NULL};
                 att_pf_block(&pf);
                 pfp = &pf;
                 pf_next_item = 1;
@@ -808,7 +814,7 @@ static void attention_items(void *ctx, int item_begin, int item_end) {
                 if (bf) /* and each row's max */
                     att_bf16_scores(bw, qs, R, live, nk_max, head_dim, J->scale, ss, mxs);
                 else if (J->q8)
-                    J->Q.scores(q8s, qcs, R, (const int8_t *)kb, kbl, nk_max, head_dim, ss);
+                    J->Q.scores(q8s, qcs, R, (const int8_t *)kb, kbl, nk_max, head_dim, ss, pfp);
                 else if (K.scores4_f16 && kv_f16 && R == 4)
                     K.scores4_f16(qs, kb, kbl, nk_max, head_dim, J->scale, ss, m == 1 && !warm ? vb : NULL, pfp);
                 else
@@ -840,7 +846,7 @@ static void attention_items(void *ctx, int item_begin, int item_end) {
                     att_bf16_wsum(bw, R, live, head_dim, invs, o4);
                     j = R;
                 } else if (J->q8) { /* positions after a row's own have weight 0: nk_max serves all R */
-                    J->Q.wsum((const float *const *)ss, R, (const int8_t *)vb, vbl, nk_max, head_dim, po);
+                    J->Q.wsum((const float *const *)ss, R, (const int8_t *)vb, vbl, nk_max, head_dim, po, pfp);
                     j = R;
                 } else if (K.wsum4_f16 && kv_f16 && R == 4 && head_dim % 16 == 0 && head_dim <= WS4_MAX_HD) {
                     /* positions past a row's own have weight 0 (above): nk_max serves all four */

@@ -281,7 +281,8 @@ INLINE void store_scores(const int32x4_t *acc, const float *ks, float c, int val
 
 /* dotprod: 16 positions (4 lanes of 4 key bytes per vector) x R queries, one sdot per vector and query */
 DOT_FN INLINE void q8_scores_dot_body(const int8_t *const *q8, const float *c, const int R, const int8_t *kt,
-                                     kv_blocks bl, int n, int hd, float *const *sc) {
+                                     kv_blocks bl, int n, int hd, float *const *sc, att_pf *pf) {
+    (void)pf; /* no next-item prefetch here (pf_spos 0) */
     const int lines = Q8_LINES(hd), per = (lines + hd / 2 - 1) / (hd / 2); /* hd / 2 steps a block */
     for (int t0 = 0; t0 < n; t0 += 16) {
         const int64_t blk = BLK(bl, t0 / KB);
@@ -308,7 +309,8 @@ DOT_FN INLINE void q8_scores_dot_body(const int8_t *const *q8, const float *c, c
 /* plain NEON: 8 positions x R queries; smull + smlal of two key groups (4 bytes each) into int16 lanes (at most
  * 2 x 127 x 127 = 32258: no overflow), sadalp into int32 pairs, one pairwise add per position at the end */
 INLINE void q8_scores_plain_body(const int8_t *const *q8, const float *c, const int R, const int8_t *kt,
-                                 kv_blocks bl, int n, int hd, float *const *sc) {
+                                 kv_blocks bl, int n, int hd, float *const *sc, att_pf *pf) {
+    (void)pf; /* no next-item prefetch here (pf_spos 0) */
     const int g = hd / 4, pairs = (g + 1) / 2; /* steps of a half (8 positions): pairs of key groups */
     const int lines = Q8_LINES(hd), per = (lines + 4 * pairs - 1) / (4 * pairs); /* 4 halves a block */
     for (int t0 = 0; t0 < n; t0 += 16) {
@@ -410,7 +412,9 @@ INLINE void q8_wsum_body(const float *const *p, const int R, const int8_t *vc, k
     }
 }
 
-static void q8_wsum(const float *const *p, int R, const int8_t *vc, kv_blocks bl, int n, int hd, float *const *out) {
+static void q8_wsum(const float *const *p, int R, const int8_t *vc, kv_blocks bl, int n, int hd, float *const *out,
+                    att_pf *pf) {
+    (void)pf; /* no next-item prefetch here (pf_spos 0) */
     float acc[4][Q8_MAX_HD];
     for (int j = 0; j < R; j++) memset(acc[j], 0, sizeof(float) * (size_t)hd);
     if (R == 4) q8_wsum_body(p, 4, vc, bl, n, hd, acc);
@@ -455,7 +459,7 @@ static float q8_exp_sum(float *x, int n, float mx) {
 }
 
 att_q8_kernels att_q8_neon_kernels(int dotprod) {
-    return (att_q8_kernels){dotprod ? q8_scores_dot : q8_scores_plain, q8_wsum, q8_exp_sum};
+    return (att_q8_kernels){dotprod ? q8_scores_dot : q8_scores_plain, q8_wsum, q8_exp_sum, 0, 0};
 }
 
 #else

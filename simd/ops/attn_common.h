@@ -31,20 +31,6 @@ typedef struct {
 } kv_blocks;
 #define BLK(bl, b) ((int64_t)((bl).pages ? (bl).pages[(b)] : (b)) * (bl).stride)
 
-/* The int8 cache's kernels for one ISA (attention_q8.c: scalar, AVX2, AVX-512; attention_neon.c: NEON). Every
- * ISA's body gives the same bits as the scalar one: f32 FMAs in the same order per output element (fmaf in the
- * scalar code), exp on one polynomial, sums over 16 fixed lanes. */
-typedef struct {
-    /* sc[j][t] = (sum_i q8[j][i] * k[i][t]) * kscale[t] * c[j], q8[j] / c[j]: query j quantized like the cache by
-     * att_q8_quantize_query (c[j] = its scale * the softmax scale); j < R <= 4, t < n */
-    void (*scores)(const int8_t *const *q8, const float *c, int R, const int8_t *kt, kv_blocks bl, int n, int hd,
-                   float *const *sc);
-    /* out[j][c] = sum_t (p[j][t] * vscale[t]) * v[t][c], j < R <= 4, t < n (in order); hd <= OPS_Q8_MAX_HD */
-    void (*wsum)(const float *const *p, int R, const int8_t *vc, kv_blocks bl, int n, int hd, float *const *out);
-    /* x[i] = exp(x[i] - mx); returns the sum. Softmax's exp for every cache type (attention.c calls it for the
-     * f16 / f32 cache too) */
-    float (*exp_sum)(float *x, int n, float mx);
-} att_q8_kernels;
 
 /* Software prefetch of the next block of a stream (keys in the scores, values in the weighted sum). A decode
  * piece streams 64 KB of f16 keys then 64 KB of values, cut at every 4 KB page where the hardware's streamer stops
@@ -90,13 +76,33 @@ static inline void att_pf_step(att_pf *p) {
         }
     }
 }
+/* The int8 cache's kernels for one ISA (attention_q8.c: scalar, AVX2, AVX-512; attention_neon.c: NEON). Every
+ * ISA's body gives the same bits as the scalar one: f32 FMAs in the same order per output element (fmaf in the
+ * scalar code), exp on one polynomial, sums over 16 fixed lanes. */
+typedef struct {
+    /* sc[j][t] = (sum_i q8[j][i] * k[i][t]) * kscale[t] * c[j], q8[j] / c[j]: query j quantized like the cache by
+     * att_q8_quantize_query (c[j] = its scale * the softmax scale); j < R <= 4, t < n */
+    void (*scores)(const int8_t *const *q8, const float *c, int R, const int8_t *kt, kv_blocks bl, int n, int hd,
+                   float *const *sc, att_pf *pf);
+    /* out[j][c] = sum_t (p[j][t] * vscale[t]) * v[t][c], j < R <= 4, t < n (in order); hd <= OPS_Q8_MAX_HD */
+    void (*wsum)(const float *const *p, int R, const int8_t *vc, kv_blocks bl, int n, int hd, float *const *out,
+                 att_pf *pf);
+    /* x[i] = exp(x[i] - mx); returns the sum. Softmax's exp for every cache type (attention.c calls it for the
+     * f16 / f32 cache too) */
+    float (*exp_sum)(float *x, int n, float mx);
+    /* a decode item prefetches the next one's keys and values (att_pf, pf non-NULL) one step at a time: the scores
+     * a step per pf_spos positions and 4 dimensions, the weighted sum a step per block and pf_wcols columns;
+     * 0: no such prefetch (pf is ignored) */
+    int pf_spos, pf_wcols;
+} att_q8_kernels;
+
 /* a scores entry point that inlines its body with R = 4 (a KV head's query group: the accumulators stay in
  * registers) and otherwise with R as given */
 #define Q8_SCORES_ENTRY(ATTR, name, body)                                                                      \
     ATTR static void name(const int8_t *const *q8, const float *c, int R, const int8_t *kt, kv_blocks bl, int n, \
-                          int hd, float *const *sc) {                                                          \
-        if (R == 4) body(q8, c, 4, kt, bl, n, hd, sc);                                                         \
-        else body(q8, c, R, kt, bl, n, hd, sc);                                                                \
+                          int hd, float *const *sc, att_pf *pf) {                                              \
+        if (R == 4) body(q8, c, 4, kt, bl, n, hd, sc, pf);                                                     \
+        else body(q8, c, R, kt, bl, n, hd, sc, pf);                                                            \
     }
 
 /* an int8 block's 32 f32 scales follow its OPS_KT_BLOCK x hd int8 values */
