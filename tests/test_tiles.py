@@ -80,7 +80,8 @@ def _ternary_case(seed, n, k, m):
 # odd shapes: N not a multiple of 16 (and 32: a lone tile per pair), K not a multiple of 64, M = 1..40 around
 # the 16-row groups, 512 once; then 2B-4T layers
 SHAPES_M = [(n, k, m) for n, k in [(37, 100), (16, 64), (250, 200), (33, 1000)]
-            for m in (1, 2, 3, 15, 16, 17, 31, 32, 33, 40)] + [(100, 320, 512), (2560, 2560, 24), (640, 6912, 19)]
+            for m in (1, 2, 3, 15, 16, 17, 31, 32, 33, 40)] + [(100, 320, 512), (2560, 2560, 24), (640, 6912, 19),
+                                                       (48, 200, 128), (48, 200, 129)]
 
 
 @pytest.mark.parametrize("n,k,m", SHAPES_M)

@@ -6,6 +6,7 @@
  * vpdpbusd peak on one Zen 4 core, M >= 32). Loop order: see gemm_ternary_avx512 and gemm_chunk_tiles.
  */
 #include "kernels.h"
+#include "tiles.h"
 
 #if defined(__x86_64__)
 #include "x86_common.h"
@@ -375,5 +376,6 @@ BK_TILE_JOB(gemm_ternary_job, bk_gemm_ternary_fn, GEMM_TERNARY_ARGS)
 
 void bk_gemm_ternary(const uint8_t *w, const float *row_scale, const int8_t *xq, int m, int k_pad,
                      const float *act_scale, const int32_t *act_sum, float *out, int32_t *out_i32, int n) {
+    if (bk_gemm_ternary_tiles(w, row_scale, xq, m, k_pad, act_scale, act_sum, out, out_i32, n)) return;
     BK_RUN_TILE_JOB(gemm_ternary_job, bk_table.gemm_ternary, GEMM_TERNARY_ARGS, n, (size_t)k_pad * m, 16 * 4096);
 }

@@ -41,6 +41,9 @@ __attribute__((always_inline)) static inline void TB_FN(tiles_block)(const int8_
         TB_ZERO(2);
         TB_ZERO(3);
     }
+    /* A's step i: 64 bytes on in rows a_stride apart (xq, the tail copy), or the next 1 KB of A packed in tile
+     * order (tiles_pack_a: rows 64 bytes apart); the two agree where K = 64, the one step */
+    const size_t a_step = a_stride == 64 ? 1024 : 64;
     if (ring)
         for (int i = 0; i < 2 && i < kc; i++) {
             int8_t *slot = (int8_t *)b + (size_t)i * TILES_RING_SLOT;
@@ -57,8 +60,8 @@ __attribute__((always_inline)) static inline void TB_FN(tiles_block)(const int8_
                 ring->step(ring, i + 2, slot, slot + b_tile);
             }
         }
-        TB_LOAD(4, a0 + (size_t)64 * i, a_stride);
-        if (NA == 2) TB_LOAD(5, a1 + (size_t)64 * i, a_stride);
+        TB_LOAD(4, a0 + a_step * i, a_stride);
+        if (NA == 2) TB_LOAD(5, a1 + a_step * i, a_stride);
         TB_LOAD(6, bi, 64);
         if (NB == 2) TB_LOAD(7, bi + b_tile, 64);
         TB_DPBSSD(0, 4, 6);
@@ -96,11 +99,15 @@ static void TB_FN(tiles_panel)(const tiles_args *g, const int8_t *b, size_t b_ti
                                const int8_t *a_tail, int32_t *cacc, int k0, int kc, int first, int last,
                                const tiles_ahead *ahead, const tiles_steps *next) {
     const int full = g->m / 16, groups = (g->m + 15) / 16;
-    const size_t stride = (size_t)g->k_pad;
+    const size_t stride = g->apack ? 64 : (size_t)g->k_pad, gstep = (size_t)g->k_pad * 16;
     for (int gr = 0; gr < groups; gr += 2) {
         const int na = groups - gr >= 2 ? 2 : 1;
-        const int8_t *a0 = (gr < full ? g->xq + (size_t)gr * 16 * stride : a_tail) + k0;
-        const int8_t *a1 = (gr + 1 < full ? g->xq + (size_t)(gr + 1) * 16 * stride : a_tail) + k0;
+        const int8_t *a0 = (gr < full ? g->xq + (size_t)gr * gstep : a_tail) + k0;
+        const int8_t *a1 = (gr + 1 < full ? g->xq + (size_t)(gr + 1) * gstep : a_tail) + k0;
+        if (g->apack) {   /* group gr's 64-k step k0 / 64 (tiles_pack_a) */
+            a0 = g->apack + (size_t)gr * gstep + (size_t)k0 * 16;
+            a1 = a0 + gstep;
+        }
         int32_t *cbuf = cacc + (size_t)(gr / 2) * 32 * 32;
         TB_FN(tiles_block_any)(a0, a1, stride, b, b_tile, kc, na, nb, cbuf, !first, NULL, gr ? NULL : ahead,
                                gr ? NULL : next);
@@ -115,9 +122,9 @@ static void TB_FN(tiles_panel)(const tiles_args *g, const int8_t *b, size_t b_ti
 static void TB_FN(tiles_stream)(const tiles_args *g, const tiles_steps *ring, int nb, const int8_t *a_tail,
                                 int8_t *ring_buf, int32_t *cbuf, const tiles_ahead *ahead) {
     const int full = g->m / 16, na = (g->m + 15) / 16, kc = g->k_pad / 64;
-    const size_t stride = (size_t)g->k_pad;
-    const int8_t *a0 = full >= 1 ? g->xq : a_tail;
-    const int8_t *a1 = full >= 2 ? g->xq + 16 * stride : a_tail;
+    const size_t stride = g->apack ? 64 : (size_t)g->k_pad;
+    const int8_t *a0 = g->apack ? g->apack : full >= 1 ? g->xq : a_tail;
+    const int8_t *a1 = g->apack ? g->apack + (size_t)16 * g->k_pad : full >= 2 ? g->xq + 16 * stride : a_tail;
     TB_FN(tiles_block_any)(a0, a1, stride, ring_buf, 1024, kc, na, nb, cbuf, 0, ring, ahead, NULL);
 }
 
@@ -126,9 +133,9 @@ static void TB_FN(tiles_stream)(const tiles_args *g, const tiles_steps *ring, in
  * reused by every row group of A; the epilogue subtracts act_sum as the vector bodies do. With one k-block (the
  * default) that is the whole pair (80 KB at K = 2560, 216 KB at 6912); smaller blocks keep B in L1 and the
  * rows of A that one block reads in L2, at the price of a C load and store per block and row-group pair. */
-static void TB_FN(gemm_ternary_tiles)(const uint8_t *w, const float *row_scale, const int8_t *xq, int m,
-                                      int k_pad, const float *act_scale, const int32_t *act_sum, float *out,
-                                      int32_t *out_i32, int n, int tile_begin, int tile_end) {
+static void TB_FN(gemm_ternary_tiles_a)(const uint8_t *w, const float *row_scale, const int8_t *xq, int m,
+                                        int k_pad, const float *act_scale, const int32_t *act_sum, float *out,
+                                        int32_t *out_i32, int n, int tile_begin, int tile_end, const int8_t *apack) {
     const int kblk = tiles_kblock(k_pad), stream = bk_table.tile_stream && m <= 32;
     const int overlap = bk_table.tile_overlap && !stream && kblk == k_pad;
     const size_t utile = (size_t)16 * k_pad, ublk = (size_t)16 * kblk, tile_bytes = (size_t)k_pad / 16 * 64;
@@ -139,10 +146,10 @@ static void TB_FN(gemm_ternary_tiles)(const uint8_t *w, const float *row_scale, 
                                tile_end);
         return;
     }
-    const tiles_args g = {xq, m, k_pad, act_scale, act_sum, row_scale, out, out_i32, n};
+    const tiles_args g = {xq, m, k_pad, act_scale, act_sum, row_scale, out, out_i32, n, apack};
     int8_t *a_tail = (int8_t *)s, *codes = (int8_t *)s + utile;
     int32_t *cacc = (int32_t *)(s + utile + bbytes);
-    tiles_copy_tail(&g, a_tail);
+    if (!apack) tiles_copy_tail(&g, a_tail);
     tiles_warm(w, tile_bytes, tile_begin, tile_end);
     tiles_count();
     TB_CONFIG(&tiles_cfg_full);
@@ -197,6 +204,14 @@ static void TB_FN(gemm_ternary_tiles)(const uint8_t *w, const float *row_scale, 
         }
     }
     TB_RELEASE();
+}
+
+/* the body of bk_table.gemm_ternary (A read from xq): the b3 GEMM calls it four tiles at a time */
+static void TB_FN(gemm_ternary_tiles)(const uint8_t *w, const float *row_scale, const int8_t *xq, int m,
+                                      int k_pad, const float *act_scale, const int32_t *act_sum, float *out,
+                                      int32_t *out_i32, int n, int tile_begin, int tile_end) {
+    TB_FN(gemm_ternary_tiles_a)(w, row_scale, xq, m, k_pad, act_scale, act_sum, out, out_i32, n, tile_begin,
+                                tile_end, NULL);
 }
 
 /* int8 head (i8_tile16 is B tiles as stored, 1 KB per 64-k step): tiles [tile_begin, tile_end) straight from the

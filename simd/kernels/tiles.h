@@ -110,6 +110,11 @@ void bk_emu_tile_dpbf16ps(int c, int a, int b); /* C (f32) += A (bf16 pairs) . B
 /* gemm_tiles.c: the ternary tile body of each mode (NULL: none), which dispatch.c puts in front of the path's
  * own GEMM body (kept in bk_table.gemm_ternary_vector, run under bk_table.tile_min_rows rows). */
 extern const bk_gemm_ternary_fn bk_gemm_ternary_tile_bodies[4];
+/* ternary GEMM, M rows (gemm_ternary.c's bk_gemm_ternary asks first): 1 when it ran the product on the tiles with
+ * A packed in tile order once for all threads; 0 when the tiles are off, M is under the crossover, bk_table's
+ * body is not the tile body or the packed copy could not be had (bk_table.gemm_ternary then runs it). */
+int bk_gemm_ternary_tiles(const uint8_t *w, const float *row_scale, const int8_t *xq, int m, int k_pad,
+                          const float *act_scale, const int32_t *act_sum, float *out, int32_t *out_i32, int n);
 uint64_t bk_tiles_products(void); /* tile-body calls that ran on the tiles, since the process started */
 /* int8 head, M rows (gemv_i8.c's bk_gemm_i8 asks first): 1 when it ran the product on the tiles, 0 when the
  * tiles are off, m is under the crossover or a thread had no scratch (the vector path then does it all). */
