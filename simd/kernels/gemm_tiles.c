@@ -6,7 +6,8 @@
  *
  * A is the int8 activation rows the vector bodies read (xq, M x K_pad), loaded 16 rows x 64 k at a time
  * straight from memory, except the last partial group of 16 rows, which is copied once per call into a
- * zero-padded 16 x K_pad buffer (the zero rows add 0 and their results are never stored). B is the i8_tile16
+ * zero-padded 16 x K_pad buffer (the zero rows add 0 and their results are never stored); the ternary GEMM at
+ * 17-128 rows packs all of A in tile order once per product instead (tiles_pack_a). B is the i8_tile16
  * order of the weights: the int8 head is in it already; ternary tile16 codes are unpacked into it (shift +
  * and per 64 bytes, nothing else: see tiles.h) one pair of weight tiles at a time. tdpbssd computes the
  * same integer sums as vpdpbusd, and the epilogue is bk_store_tile's formula, so every result is the same
