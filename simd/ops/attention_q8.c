@@ -293,7 +293,8 @@ AVX512_FN static float exp_sum_avx512(float *x, int n, float mx) {
 AVX512_FN static inline __m512 cvt16(__m128i b) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)); }
 
 /* A whole key block (32 positions) at a time on VNNI's vpdpbusd (the avx512 path implies AVX512-VNNI:
- * simd/kernels/dispatch.c): it takes unsigned bytes times signed ones, so the keys go in as k + 128 (k ^ 0x80) and the queries as they are:
+ * simd/kernels/dispatch.c): it takes unsigned bytes times signed ones, so the keys go in as k + 128 (k ^ 0x80)
+ * and the queries as they are:
  * sum_i (k_i + 128) q_i = k.q + 128 sum_i q_i, the second term taken off once per query. Exact in int32 (|sum| <=
  * 255 * 127 * hd), so the same dot products as the other bodies: 2 vpdpbusd a query and 32 positions where AVX-512's
  * vpmaddubsw body (it has no vpsignb: k negated under the mask of q's sign bits) took 8 instructions. One thread,
