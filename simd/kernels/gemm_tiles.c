@@ -331,7 +331,7 @@ static void ternary_tiles_range(void *ctx, int b, int e) {
 }
 
 /* The rows packed (TILES_PACK_MIN_ROWS < M <= TILES_PACK_MAX_ROWS); the rest read A from xq as before.
- * Measured on the lent AMX Xeon (1 thread, both builds in one process, alternated, thread CPU time): M = 32
+ * Measured on a 2-core AMX Xeon (1 thread, both builds in one process, alternated, thread CPU time): M = 32
  * 1.58-1.66x with the weights in cache, 1.29-1.38x from memory; M = 128 1.19-1.22x and 0.95-1.24x; M = 16 mixed
  * (0.86-1.17x: one row group, nothing gained); M = 512 on 2 threads, down 2560 x 6912: 0.90-0.92x, the caller's
  * 3.5 MB copy made alone before the pool runs. */
